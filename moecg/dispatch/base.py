@@ -1,0 +1,106 @@
+"""Dispatcher interface, registry and the pieces every dispatcher shares.
+
+Dims: T tokens, K top-k, E experts, C capacity, D hidden, I expert intermediate.
+A dispatcher computes `sum_k w[t,k] * expert_{idx[t,k]}(x[t])` for the routed experts of one MoE layer and
+records what it routed and dropped. It knows nothing about CUDA graphs beyond declaring `graph_safe`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from moecg.dispatch.state import LayerCounters
+
+REGISTRY: dict[str, type["Dispatcher"]] = {}
+
+
+def register(cls):
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+@dataclass
+class Dispatcher:
+    name: ClassVar[str] = "base"
+    graph_safe: ClassVar[bool] = False
+
+    def forward(self, experts, hidden, idx, w, valid: torch.Tensor | None, counters: LayerCounters | None):
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {"dispatch": self.name, "capacity_factor": None, "drop_policy": None}
+
+
+def make_dispatcher(name: str, **kwargs) -> Dispatcher:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown dispatch {name!r}: choose one of {sorted(REGISTRY)} (dispatch=<name>)")
+    cls = REGISTRY[name]
+    fields = {f for f in cls.__dataclass_fields__}
+    return cls(**{k: v for k, v in kwargs.items() if k in fields})
+
+
+def check_experts(experts) -> None:
+    """moecg's dispatchers cover gated, non-transposed, bias-free experts (all three supported families)."""
+    if not getattr(experts, "has_gate", True) or getattr(experts, "has_bias", False) \
+            or getattr(experts, "is_transposed", False):
+        raise NotImplementedError(
+            f"{type(experts).__name__}: moecg dispatchers support gated experts without bias in [E, 2I, D] layout; "
+            "use dispatch=dynamic for this model"
+        )
+
+
+def expert_mlp_grouped(experts, x_sorted, offsets):
+    """x_sorted [S, D] grouped by expert, offsets [E] int32 cumulative -> [S, D]; rows past offsets[-1] undefined."""
+    gate_up = grouped_mm(x_sorted, experts.gate_up_proj.transpose(1, 2), offsets)  # [S, 2I]
+    h = experts._apply_gate(gate_up)  # [S, I]
+    return grouped_mm(h, experts.down_proj.transpose(1, 2), offsets)  # [S, D]
+
+
+def expert_mlp_padded(experts, x):
+    """x [E, C, D] capacity buffers -> [E, C, D]: one batched GEMM over all experts (graph-safe, reads all E)."""
+    gate_up = torch.bmm(x, experts.gate_up_proj.transpose(1, 2))  # [E, C, 2I]
+    h = experts._apply_gate(gate_up)  # [E, C, I]
+    return torch.bmm(h, experts.down_proj.transpose(1, 2))  # [E, C, D]
+
+
+def grouped_mm(x, w, offsets):
+    """x [S, Din] sorted by group, w [E, Din, Dout], offsets [E] int32 -> [S, Dout]; graph-safe either way."""
+    x = x.to(w.dtype)
+    if hasattr(torch.nn.functional, "grouped_mm") and _grouped_ok(x, w):
+        return torch.nn.functional.grouped_mm(x, w, offs=offsets)
+    # Fallback without host sync: each row's group from the offsets, then a per-row batched GEMV.
+    rows = torch.arange(x.shape[0], device=x.device)
+    group = torch.searchsorted(offsets, rows, right=True).clamp(max=w.shape[0] - 1)  # [S]
+    return torch.bmm(x.unsqueeze(1), w[group]).squeeze(1)
+
+
+def _grouped_ok(x, w) -> bool:
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_capability(x.device) >= (8, 0) and x.dtype in (torch.bfloat16, torch.float32) \
+            and x.shape[-1] * x.element_size() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0
+    return x.shape[-1] * x.element_size() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0
+
+
+def route_counts(idx, valid, num_experts: int):
+    """idx [T, K] -> (masked idx [T, K] with pad rows sent to sentinel E, per-expert counts [E] int64)."""
+    if valid is not None:
+        idx = torch.where(valid[:, None], idx, torch.full_like(idx, num_experts))  # [T, K]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
+    # scatter_add instead of bincount/one_hot: both of those sync with the host on CUDA.
+    counts.scatter_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))
+    return idx, counts[:num_experts]  # [T, K], [E]
+
+
+def routed_mass(idx_masked, w, num_experts: int):
+    mass = torch.zeros(num_experts + 1, dtype=torch.float32, device=w.device)
+    mass.scatter_add_(0, idx_masked.reshape(-1), w.reshape(-1).float())
+    return mass[:num_experts]  # [E]
+
+
+def count_valid(valid, num_tokens: int, device):
+    if valid is None:
+        # a fill kernel, not torch.tensor(): a host-to-device copy cannot be captured
+        return torch.full((), num_tokens, dtype=torch.int64, device=device)
+    return valid.sum()

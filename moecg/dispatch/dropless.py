@@ -1,0 +1,40 @@
+"""`dropless`: sort assignments by expert, one grouped GEMM per projection with offsets on the device.
+
+Dims: T tokens, K top-k, S = T*K assignments, E experts, D hidden, I expert intermediate.
+No host sync and no drops: graph-safe. Pad rows go to sentinel expert E, sort to the tail and are skipped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moecg.dispatch.base import Dispatcher, count_valid, expert_mlp_grouped, register, route_counts, routed_mass
+
+
+@register
+@dataclass
+class Dropless(Dispatcher):
+    name = "dropless"
+    graph_safe = True
+
+    def forward(self, experts, hidden, idx, w, valid, counters):
+        T, K = idx.shape
+        E = experts.num_experts
+        idx_m, counts = route_counts(idx, valid, E)  # [T, K], [E]
+        flat = idx_m.reshape(-1)  # [S]
+        sorted_ids, perm = torch.sort(flat, stable=True)  # [S]
+        x = hidden[perm // K]  # [S, D]
+        offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E]
+        y = expert_mlp_grouped(experts, x, offsets)  # [S, D]
+        # Rows past offsets[-1] (pad rows) are left uninitialised by grouped_mm: zero them, never multiply NaN by 0.
+        keep = (sorted_ids < E)[:, None]  # [S, 1]
+        y = torch.where(keep, y.float() * w.reshape(-1)[perm, None].float(), 0.0)  # [S, D] fp32
+        out = torch.empty_like(y)
+        out[perm] = y  # back to (token, k) order
+        out = out.view(T, K, -1).sum(1)  # [T, D], fp32 accumulation as HF's grouped_mm path
+        if counters is not None:
+            zero_e = torch.zeros_like(counts)
+            counters.add(counts, zero_e, routed_mass(idx_m, w, E), zero_e.float(),
+                         count_valid(valid, T, hidden.device), zero_e.new_zeros(()))
+        return out.to(hidden.dtype)

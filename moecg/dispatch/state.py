@@ -1,0 +1,123 @@
+"""Device-side dispatch state shared by every MoE layer of a model: the valid-row mask and drop counters.
+
+Dims: L = MoE layers, E = experts, B = batch rows, T = tokens (B rows x S tokens each).
+Everything here lives on the model's device at fixed addresses, so a captured graph that updates it keeps
+updating the same memory on every replay; the host reads it only in `snapshot()`, between measurements.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LayerCounters:
+    """Views into the model-wide counters for one MoE layer (fixed addresses, updated in place)."""
+
+    routed: torch.Tensor  # [E] int64  token-expert assignments routed (valid rows only)
+    dropped: torch.Tensor  # [E] int64  assignments dropped by capacity
+    routed_mass: torch.Tensor  # [E] fp32  routing weight routed
+    dropped_mass: torch.Tensor  # [E] fp32  routing weight dropped
+    tokens: torch.Tensor  # [] int64  valid tokens seen
+    lost_all: torch.Tensor  # [] int64  valid tokens that lost all K experts
+
+    def add(self, routed, dropped, routed_mass, dropped_mass, tokens, lost_all):
+        self.routed.add_(routed)
+        self.dropped.add_(dropped)
+        self.routed_mass.add_(routed_mass)
+        self.dropped_mass.add_(dropped_mass)
+        self.tokens.add_(tokens)
+        self.lost_all.add_(lost_all)
+
+
+class DispatchState:
+    """Model-wide dispatch state: which dispatcher runs, the row mask for padded batches, and the counters."""
+
+    def __init__(self, dispatcher, layer_ids: list[int], num_experts: int, max_rows: int, device):
+        self.dispatcher = dispatcher
+        self.layer_ids = list(layer_ids)  # decoder-layer index of each MoE slot
+        self.num_experts = num_experts
+        L, E = len(layer_ids), num_experts
+        z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
+        self.routed, self.dropped = z(L, E), z(L, E)  # [L, E]
+        self.routed_mass, self.dropped_mass = z(L, E, dt=torch.float32), z(L, E, dt=torch.float32)  # [L, E]
+        self.tokens, self.lost_all = z(L), z(L)  # [L]
+        self.row_valid = torch.ones(max_rows, dtype=torch.bool, device=device)  # [B_max]
+        self.n_rows: int | None = None  # rows of the forward being traced/run; None: no masking
+        self.counting = True
+
+    # -- counters ---------------------------------------------------------------------------------
+    def layer(self, slot: int) -> LayerCounters | None:
+        if not self.counting:
+            return None
+        return LayerCounters(self.routed[slot], self.dropped[slot], self.routed_mass[slot],
+                             self.dropped_mass[slot], self.tokens[slot], self.lost_all[slot])
+
+    def _tensors(self):
+        return (self.routed, self.dropped, self.routed_mass, self.dropped_mass, self.tokens, self.lost_all)
+
+    def reset(self) -> None:
+        for t in self._tensors():
+            t.zero_()
+
+    def save(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self._tensors()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for t, s in zip(self._tensors(), saved):
+            t.copy_(s)
+
+    def snapshot(self) -> dict:
+        """Host copy of the counters (one sync): per layer and per expert, plus derived rates."""
+        routed, dropped, rmass, dmass, tokens, lost = (t.detach().cpu() for t in self._tensors())
+        r_tot, d_tot = int(routed.sum()), int(dropped.sum())
+        per_layer_routed = routed.sum(1).clamp(min=1)
+        load = routed.sum(0).double()  # [E] assignments per expert, all layers
+        layer_load = routed.double()  # [L, E]
+        imb = (layer_load.max(1).values / layer_load.mean(1).clamp(min=1e-9))  # [L]
+        return {
+            "routed": routed.tolist(), "dropped": dropped.tolist(),
+            "routed_assignments": r_tot, "dropped_assignments": d_tot,
+            "drop_rate": d_tot / r_tot if r_tot else 0.0,
+            "dropped_prob_mass": float(dmass.sum() / rmass.sum().clamp(min=1e-12)),
+            "tokens": int(tokens.sum()), "tokens_lost_all": int(lost.sum()),
+            "tokens_lost_all_rate": float(lost.sum() / tokens.sum().clamp(min=1)),
+            "per_layer_drop_rate": (dropped.sum(1) / per_layer_routed).tolist(),
+            "per_expert_drop_rate": (dropped.sum(0) / routed.sum(0).clamp(min=1)).tolist(),
+            "per_layer_load_imbalance": imb.tolist(),
+            # max/mean expert load, averaged over layers: 1.0 is perfectly balanced, E is one hot expert
+            "expert_load_imbalance": float(imb.mean()) if r_tot else 0.0,
+            "experts_hit_per_layer": (routed > 0).sum(1).tolist(),
+            "global_load": load.tolist(),
+        }
+
+    # -- row mask ---------------------------------------------------------------------------------
+    def set_rows(self, n_valid: int, n_rows: int) -> None:
+        """Rows [0, n_valid) are real, [n_valid, n_rows) are padding (a batch padded up to a bucket)."""
+        if n_rows > self.row_valid.numel():
+            raise ValueError(f"{n_rows} rows exceed the dispatch mask size {self.row_valid.numel()}")
+        self.row_valid[:n_valid].fill_(True)
+        self.row_valid[n_valid:].fill_(False)
+        self.n_rows = n_rows
+
+    @contextmanager
+    def rows(self, n_rows: int):
+        """Trace/run a forward over `n_rows` rows (the mask's first n_rows entries apply)."""
+        prev, self.n_rows = self.n_rows, n_rows
+        try:
+            yield
+        finally:
+            self.n_rows = prev
+
+    def token_valid(self, num_tokens: int) -> torch.Tensor | None:
+        """[T] bool mask of real tokens for a forward over `n_rows` rows, or None when nothing is padded."""
+        if self.n_rows is None:
+            return None
+        rows = self.n_rows
+        if num_tokens % rows:
+            raise RuntimeError(f"{num_tokens} tokens do not split into {rows} rows")
+        mask = self.row_valid[:rows]  # [B]
+        per_row = num_tokens // rows
+        return mask if per_row == 1 else mask.repeat_interleave(per_row)  # [T]

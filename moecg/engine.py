@@ -1,0 +1,223 @@
+"""Decode engine: eager prefill, then greedy decode on a StaticCache, one step at a time.
+
+Dims: B rows run (a bucket, >= n), n real rows, S prompt tokens, V vocab, L cache length, H kv heads, Dh head dim.
+The engine owns the loop; a capture strategy only replaces `step_impl` (the whole decode step) or wraps
+modules of the model (single layers). Rows are "slots" in one StaticCache sized for the largest row count:
+a forward over B rows uses a view of the first B rows, so a batch that shrinks is compacted to the front and
+simply runs on fewer rows (a smaller bucket) with no new allocation and no re-capture.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import StaticCache
+
+from moecg.dispatch import state_of
+
+
+class CacheOverflowError(ValueError):
+    pass
+
+
+def _kv_shape(config):
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_key_value_heads, head_dim
+
+
+class RowCache:
+    """One StaticCache for `max_rows` rows plus aliasing views of its first B rows (shared length counters)."""
+
+    def __init__(self, config, max_rows: int, max_cache_len: int, device, dtype):
+        self.config, self.max_rows, self.max_cache_len = config, max_rows, max_cache_len
+        self.full = StaticCache(config=config, max_cache_len=max_cache_len)
+        heads, head_dim = _kv_shape(config)
+        self.full.early_initialization(max_rows, heads, head_dim, dtype, device)
+        self._views: dict[int, StaticCache] = {max_rows: self.full}
+
+    def view(self, rows: int) -> StaticCache:
+        if rows not in self._views:
+            if rows > self.max_rows:
+                raise ValueError(f"{rows} rows exceed the cache's {self.max_rows}")
+            v = StaticCache(config=self.config, max_cache_len=self.max_cache_len)
+            for lv, lf in zip(v.layers, self.full.layers):
+                lv.__dict__.update(lf.__dict__)
+                lv.keys, lv.values = lf.keys[:rows], lf.values[:rows]  # [B, H, L, Dh] views, fixed addresses
+                lv.batch_size = rows
+                # lv.cumulative_length is lf's tensor itself: one position counter for every view
+            self._views[rows] = v
+        return self._views[rows]
+
+    def length(self) -> torch.Tensor:
+        return self.full.layers[0].cumulative_length
+
+    def reset(self) -> None:
+        self.full.reset()
+
+    def save_lengths(self) -> list[torch.Tensor]:
+        return [layer.cumulative_length.clone() for layer in self.full.layers]
+
+    def restore_lengths(self, saved) -> None:
+        for layer, s in zip(self.full.layers, saved):
+            layer.cumulative_length.copy_(s)
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Move rows `keep` [m] (device long) to the front, in order (finished requests leave)."""
+        m = keep.numel()
+        for layer in self.full.layers:
+            layer.keys[:m] = layer.keys.index_select(0, keep)
+            layer.values[:m] = layer.values.index_select(0, keep)
+
+
+@dataclass
+class GenerateResult:
+    tokens: torch.Tensor  # [n, new_tokens] long (cpu); rows that finished early are padded with -1
+    step_ms: list[float]  # per decode step wall time (CUDA events on GPU), first step included
+    step_rows: list[int]  # rows run per step (the bucket)
+    prefill_ms: float
+    logits: list[torch.Tensor] | None = None  # per step [n_active, V] in original-row order slots (cpu, fp32)
+    logits_rows: list[torch.Tensor] | None = None  # per step: original row index of each logits row
+    extra: dict = field(default_factory=dict)
+
+
+class DecodeEngine:
+    def __init__(self, model, max_cache_len: int, max_rows: int):
+        self.model = model
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_cache_len, self.max_rows = max_cache_len, max_rows
+        self.cache = RowCache(model.config, max_rows, max_cache_len, self.device, self.dtype)
+        self.ids = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] current tokens
+        # Strategy hooks: `rows_for(n)` picks how many rows to run for n real ones; `step_impl` runs a step.
+        self.rows_for: Callable[[int], int] = lambda n: n
+        self.step_impl: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = self.eager_step
+
+    # -- one forward ------------------------------------------------------------------------------
+    def forward(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
+        """ids [B, S] -> last-position logits [B, V], eager, on the cache view of B rows."""
+        state = state_of(self.model)
+        ctx = state.rows(rows) if state is not None else _null()
+        with ctx:
+            out = self.model(input_ids=ids, cache=self.cache.view(rows), use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]  # [B, V]
+
+    def eager_step(self, ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [B] -> (next ids [B], logits [B, V]): the function the `full` strategy captures."""
+        logits = self.forward(ids[:rows, None], rows)  # [B, V]
+        return logits.argmax(-1), logits
+
+    @contextmanager
+    def scratch(self):
+        """Run warmups without polluting real state: cache lengths and drop counters come back as they were.
+
+        Warmup writes K/V only at slots at or past the current length, which the causal mask hides and the
+        next real step overwrites.
+        """
+        state = state_of(self.model)
+        lengths = self.cache.save_lengths()
+        counters = state.save() if state is not None else None
+        try:
+            yield
+        finally:
+            self.cache.restore_lengths(lengths)
+            if state is not None:
+                state.restore(counters)
+
+    def _set_rows(self, n: int, rows: int) -> None:
+        state = state_of(self.model)
+        if state is not None:
+            state.set_rows(n, rows)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def check_fits(self, prompt_len: int, new_tokens: int) -> None:
+        need = prompt_len + new_tokens
+        if need > self.max_cache_len:
+            raise CacheOverflowError(
+                f"prompt_len + new_tokens = {prompt_len} + {new_tokens} = {need} exceeds the KV cache "
+                f"({self.max_cache_len} slots): lower new_tokens/prompt_len or raise max_cache_len"
+            )
+
+    @torch.no_grad()
+    def prefill(self, prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """prompts [n, S] -> (first new ids [n], logits [n, V], rows run). Resets the cache first."""
+        n, S = prompts.shape
+        self.check_fits(S, 1)
+        rows = self.rows_for(n)
+        self.cache.reset()
+        padded = torch.zeros(rows, S, dtype=torch.long, device=self.device)  # [B, S]
+        padded[:n] = prompts.to(self.device)
+        self._set_rows(n, rows)
+        logits = self.forward(padded, rows)  # [B, V]
+        return logits[:n].argmax(-1), logits[:n], rows
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, new_tokens: int, lengths: list[int] | None = None,
+                 keep_logits: bool = False, timing: bool = True, progress=None) -> GenerateResult:
+        """Greedy decode `new_tokens` per row (row i stops after lengths[i] tokens, then leaves the batch)."""
+        n, S = prompts.shape
+        if n > self.max_rows:
+            raise ValueError(f"batch of {n} rows exceeds the engine's {self.max_rows} (raise max_rows)")
+        if new_tokens < 1:
+            raise ValueError(f"new_tokens={new_tokens}: must be >= 1")
+        self.check_fits(S, new_tokens)
+        lengths = list(lengths) if lengths is not None else [new_tokens] * n
+        if len(lengths) != n or any(not 1 <= x <= new_tokens for x in lengths):
+            raise ValueError(f"lengths must give 1..{new_tokens} tokens for each of the {n} rows")
+        cuda = self.device.type == "cuda"
+        t0 = time.perf_counter()
+        first, first_logits, rows = self.prefill(prompts)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+
+        out = torch.full((n, new_tokens), -1, dtype=torch.long, device=self.device)  # [n, new]
+        out[:, 0] = first
+        order = torch.arange(n, device=self.device)  # slot -> original row
+        order_host = list(range(n))
+        logits_log = [first_logits.float().cpu()] if keep_logits else None
+        rows_log = [torch.arange(n)] if keep_logits else None
+        self.ids[:n] = first
+        step_ms, step_rows, events = [], [], []
+        for t in range(1, new_tokens):
+            # requests that reached their length leave; survivors move to the front (no re-capture needed)
+            alive = [i for i, r in enumerate(order_host) if lengths[r] > t]
+            if len(alive) < len(order_host):
+                keep = torch.tensor(alive, device=self.device)
+                self.cache.compact(keep)
+                self.ids[: len(alive)] = self.ids.index_select(0, keep)
+                order = order.index_select(0, keep)
+                order_host = [order_host[i] for i in alive]
+            m = len(order_host)
+            rows = self.rows_for(m)
+            self.ids[m:rows] = 0
+            self._set_rows(m, rows)
+            if timing and cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+            ts = time.perf_counter()
+            nxt, logits = self.step_impl(self.ids, rows)
+            if timing and cuda:
+                ev[1].record()
+                events.append(ev)
+            elif timing:
+                step_ms.append((time.perf_counter() - ts) * 1e3)
+            out[order, t] = nxt[:m]
+            self.ids[:m] = nxt[:m]
+            step_rows.append(rows)
+            if keep_logits:
+                logits_log.append(logits[:m].float().cpu())
+                rows_log.append(torch.tensor(order_host))
+            if progress is not None:
+                progress()
+        if events:
+            torch.cuda.synchronize(self.device)
+            step_ms = [a.elapsed_time(b) for a, b in events]
+        return GenerateResult(out.cpu(), step_ms, step_rows, prefill_ms, logits_log, rows_log)
+
+
+@contextmanager
+def _null():
+    yield

@@ -1,0 +1,84 @@
+"""Model zoo: HF MoE models built from presets (random weights, seeded) or loaded from a local directory."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from moecg.models.adapter import ADAPTERS, FamilyAdapter, adapter_for
+from moecg.models.skew import apply_router_skew, remove_router_skew
+from moecg.models.zoo import FAMILIES, PRESETS, family_of_config, make_config
+
+__all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "FamilyAdapter", "adapter_for", "apply_router_skew",
+           "remove_router_skew", "build_model", "make_config", "resolve_dtype", "resolve_device", "BuiltModel"]
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but CUDA is not available here: use device=auto or device=cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype={dtype!r}: choose one of auto, {', '.join(sorted(DTYPES))}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class BuiltModel:
+    model: torch.nn.Module
+    adapter: FamilyAdapter
+    name: str
+    family: str
+    device: torch.device
+    dtype: torch.dtype
+    build_s: float
+
+
+def build_model(preset: str | None = None, *, pretrained_path: str | None = None, num_layers: int | None = None,
+                dtype: str | None = "auto", device: str | None = "auto", seed: int = 0, router_skew: float = 0.0,
+                attn_implementation: str = "sdpa", config_overrides: dict | None = None) -> BuiltModel:
+    """Build an HF MoE model in eval mode, weights created directly on `device` in `dtype`."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    if pretrained_path:
+        kwargs = {}
+        if num_layers is not None:
+            kwargs["num_hidden_layers"] = num_layers
+        model = AutoModelForCausalLM.from_pretrained(pretrained_path, dtype=dt, device_map=dev,
+                                                     attn_implementation=attn_implementation, **kwargs)
+        name = preset or str(pretrained_path).rstrip("/").split("/")[-1]
+    else:
+        if preset is None:
+            raise ValueError("give model.preset (e.g. mixtral_tiny) or model.pretrained_path=/dir/with/config.json")
+        config = make_config(preset, num_layers, config_overrides)
+        config._attn_implementation = attn_implementation
+        _, model_cls = FAMILIES[family_of_config(config)]
+        # Built on the target device in the target dtype: HF's init then runs there (seconds for 46B on a GPU).
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dt)
+        try:
+            with dev:
+                model = model_cls(config)
+        finally:
+            torch.set_default_dtype(prev)
+        name = preset
+    model.eval()
+    family = family_of_config(model.config)
+    apply_router_skew(model, router_skew, seed)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return BuiltModel(model, adapter_for(model), name, family, dev, dt, time.perf_counter() - t0)

@@ -1,0 +1,64 @@
+"""Router skew: a fixed per-expert bias on router logits, so random routers load experts unevenly.
+
+Dims: T tokens, E experts, K top-k, D hidden.
+Bias b_e = -skew * ln(1 + rank_e) with a seeded random rank per layer, i.e. each expert's prior odds scale as
+(1 + rank)^-skew (Zipf-like). What it models: a stable preference for a few hot experts per layer, as trained
+routers show. What it does not: token-dependent specialisation, correlation across layers, or load that
+shifts with the prompt; the hot experts are hot for every token. `skew=0` restores HF's router exactly.
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.nn.functional as F
+
+
+def skew_bias(num_experts: int, skew: float, generator: torch.Generator) -> torch.Tensor:
+    rank = torch.randperm(num_experts, generator=generator)  # [E]
+    return -skew * torch.log1p(rank.double()).float()  # [E]
+
+
+def _skewed_router_forward(self, hidden_states):
+    # Mirrors HF's TopKRouter.forward for the three families, plus the bias on the logits.
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)  # [T, D]
+    logits = F.linear(hidden_states, self.weight) + self._moecg_skew.to(hidden_states.dtype)  # [T, E]
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    top_v, top_i = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
+    if getattr(self, "norm_topk_prob", True):  # Mixtral always renormalises; Qwen per config
+        top_v = top_v / top_v.sum(dim=-1, keepdim=True)
+    if self._moecg_cast_scores:
+        top_v = top_v.to(logits.dtype)
+    return logits, top_v, top_i
+
+
+def apply_router_skew(model, skew: float, seed: int = 0) -> None:
+    """Bias every router of `model` (0 = off, HF's router unchanged). Undo with `remove_router_skew`."""
+    from moecg.models.adapter import adapter_for
+
+    if skew < 0 or not math.isfinite(skew):
+        raise ValueError(f"model.router_skew={skew}: must be a finite number >= 0 (0 = off; 1-2 gives strong skew)")
+    remove_router_skew(model)
+    if skew == 0:
+        return
+    adapter = adapter_for(model)
+    gen = torch.Generator().manual_seed(seed + 7919)
+    for layer in adapter.layers(model):
+        router = adapter.router_of(layer)
+        if router is None:
+            continue
+        router._moecg_skew = skew_bias(router.num_experts, skew, gen).to(router.weight.device)
+        router._moecg_cast_scores = adapter.family != "mixtral"  # Mixtral's router returns fp32 scores
+        router.forward = types.MethodType(_skewed_router_forward, router)
+
+
+def remove_router_skew(model) -> None:
+    from moecg.models.adapter import adapter_for
+
+    adapter = adapter_for(model)
+    for layer in adapter.layers(model):
+        router = adapter.router_of(layer)
+        if router is not None:
+            for attr in ("forward", "_moecg_skew", "_moecg_cast_scores"):
+                router.__dict__.pop(attr, None)
