@@ -1,0 +1,168 @@
+"""moecg.capture: apply a capture strategy to a decode engine, per batch bucket, and undo it.
+
+`Capture.apply()` validates (before any CUDA work), installs the strategy's hooks, and captures every bucket
+largest first into one memory pool. `unwrap()` restores the engine and the model.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+
+import torch
+
+from moecg.capture.buckets import DEFAULT_BUCKETS, bucket_for, validate_buckets
+from moecg.capture.graph import GraphRunner, make_backend
+from moecg.capture.layer import LayerGraphs
+from moecg.capture.plan import STRATEGIES, StrategyError, StrategySpec, parse_layers, resolve, validate
+from moecg.dispatch import state_of
+
+__all__ = ["Capture", "CaptureError", "STRATEGIES", "StrategyError", "StrategySpec", "DEFAULT_BUCKETS",
+           "bucket_for", "validate_buckets", "parse_layers", "resolve", "validate"]
+
+_FIXES = (
+    "Ways to fix it:\n"
+    "  1. use a graph-safe dispatcher: dispatch=dropless or dispatch=capacity\n"
+    "  2. capture less: strategy=partial (attention only) or strategy=mixed with fewer 'layer' ranges\n"
+    "  3. capture fewer/smaller buckets: capture.buckets=[1,2,4,8]\n"
+    "  4. run strategy=eager to get a baseline without graphs\n"
+    "A failed capture can leave the CUDA context unusable (later CUDA RNG calls fail with 'Offset increment "
+    "outside graph capture'): restart the process before trying again."
+)
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+class Capture:
+    def __init__(self, engine, strategy: str = "eager", *, layers: str | None = None, buckets=DEFAULT_BUCKETS,
+                 backend: str = "auto", warmup: int = 3):
+        self.engine = engine
+        model = engine.model
+        self.adapter = _adapter(model)
+        self.num_layers = len(self.adapter.layers(model))
+        state = state_of(model)
+        if state is None:
+            raise StrategyError("attach a dispatcher first: moecg.dispatch.attach(model, make_dispatcher(...))")
+        self.spec, self.scopes = validate(strategy, state.dispatcher, self.num_layers, layers)
+        self.buckets = validate_buckets(buckets)
+        self.backend = make_backend(backend, engine.device) if self.spec.scope != "eager" else None
+        if self.backend is None and self.spec.scope != "eager":
+            warnings.warn(f"CUDA graphs are unavailable on {engine.device.type}: strategy={strategy} runs eagerly "
+                          "with the same dispatch (captured: false); drop counts are still real", stacklevel=2)
+        self.runner = GraphRunner(self.backend, warmup) if self.backend is not None else None
+        self.layer_graphs: LayerGraphs | None = None
+        self._warned_big = False
+        self.applied = False
+
+    @property
+    def captured(self) -> bool:
+        return self.runner is not None and len(self.runner.entries) > 0
+
+    # -- policy hooks installed on the engine --------------------------------------------------------
+    def _rows_for(self, n: int) -> int:
+        b = bucket_for(n, self.buckets)
+        if b is None or b > self.engine.max_rows:
+            if not self._warned_big:
+                warnings.warn(f"batch of {n} rows is above the largest captured bucket "
+                              f"({max(self.buckets)}): it runs eagerly", stacklevel=2)
+                self._warned_big = True
+            return n
+        return b
+
+    def _step(self, ids, rows):
+        if rows in self.runner and ids is self.engine.ids:
+            return self.runner.replay(rows)
+        return self.engine.eager_step(ids, rows)
+
+    # -- apply / unwrap --------------------------------------------------------------------------------
+    def apply(self) -> "Capture":
+        if self.applied:
+            return self
+        eng = self.engine
+        if self.runner is None:  # eager strategy, or no CUDA
+            self.applied = True
+            return self
+        eng.rows_for = self._rows_for
+        if self.spec.scope == "step":
+            eng.step_impl = self._step
+        else:
+            layers = self.adapter.layers(eng.model)
+            targets = []
+            for i, scope in enumerate(self.scopes):
+                if scope == "layer":
+                    targets.append((i, scope, layers[i]))
+                elif scope == "attn":
+                    targets.append((i, scope, getattr(layers[i], self.adapter.attn)))
+            self.layer_graphs = LayerGraphs(targets, self.runner)
+            self.layer_graphs.install()
+        self.applied = True
+        try:
+            self._capture_all()
+        except Exception:
+            self.unwrap()
+            raise
+        return self
+
+    def _capture_all(self) -> None:
+        eng = self.engine
+        state = state_of(eng.model)
+        eng.cache.reset()
+        for b in sorted((b for b in self.buckets if b <= eng.max_rows), reverse=True):  # largest first: one pool
+            try:
+                with eng.scratch(), torch.no_grad():
+                    state.set_rows(b, b)
+                    eng.ids[:b].zero_()
+                    if self.spec.scope == "step":
+                        with state.rows(b):
+                            entry = self.runner.capture(b, lambda ids, b=b: eng.eager_step(ids, b), [eng.ids])
+                        entry.meta.update(rows=b, layer="all", scope="step")
+                    else:
+                        self.layer_graphs.begin_pass()
+                        try:
+                            eng.eager_step(eng.ids, b)
+                        finally:
+                            self.layer_graphs.end_pass()
+            except Exception as e:  # noqa: BLE001 - re-raised with the context a user needs
+                layer = getattr(e, "layer", "see traceback")
+                raise CaptureError(f"capture failed: strategy={self.spec.name}, bucket={b}, layer={layer}, "
+                                   f"dispatch={state.dispatcher.name}: {type(e).__name__}: {e}\n{_FIXES}") from e
+        # pitfall 5: the captured graphs start from an empty cache
+        eng.cache.reset()
+        state.reset()
+
+    def unwrap(self) -> None:
+        eng = self.engine
+        if self.layer_graphs is not None:
+            self.layer_graphs.uninstall()
+        eng.rows_for = lambda n: n
+        eng.step_impl = eng.eager_step
+        self.applied = False
+
+    # -- records -----------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        per = defaultdict(lambda: {"capture_s": 0.0, "graph_mem_mib": 0.0, "replays": 0, "graphs": 0})
+        if self.runner is not None:
+            for e in self.runner.entries.values():
+                p = per[e.meta.get("rows")]
+                p["capture_s"] += e.capture_s
+                p["graph_mem_mib"] += e.mem_bytes / 2**20
+                p["replays"] = max(p["replays"], e.replays)
+                p["graphs"] += 1
+        buckets = {int(k): v for k, v in sorted(per.items())}
+        return {
+            "captured": self.captured,
+            "capture_backend": self.backend.name if self.backend is not None else "none",
+            "capture_s": sum(v["capture_s"] for v in buckets.values()),
+            "graph_mem_mib": sum(v["graph_mem_mib"] for v in buckets.values()),
+            "graphs": sum(v["graphs"] for v in buckets.values()),
+            "buckets": buckets,
+            "layer_scopes": self.scopes,
+            "layer_fallbacks": self.layer_graphs.fallbacks if self.layer_graphs else 0,
+        }
+
+
+def _adapter(model):
+    from moecg.models.adapter import adapter_for
+
+    return adapter_for(model)
