@@ -155,8 +155,12 @@ class DecodeEngine:
 
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, new_tokens: int, lengths: list[int] | None = None,
-                 keep_logits: bool = False, timing: bool = True, progress=None) -> GenerateResult:
-        """Greedy decode `new_tokens` per row (row i stops after lengths[i] tokens, then leaves the batch)."""
+                 keep_logits: bool | int = False, timing: bool = True, progress=None) -> GenerateResult:
+        """Greedy decode `new_tokens` per row (row i stops after lengths[i] tokens, then leaves the batch).
+
+        keep_logits: True keeps every row's logits per step, an int k the first k slots' (memory: V floats each).
+        """
+        keep = n if keep_logits is True else int(keep_logits)
         n, S = prompts.shape
         if n > self.max_rows:
             raise ValueError(f"batch of {n} rows exceeds the engine's {self.max_rows} (raise max_rows)")
@@ -177,8 +181,8 @@ class DecodeEngine:
         out[:, 0] = first
         order = torch.arange(n, device=self.device)  # slot -> original row
         order_host = list(range(n))
-        logits_log = [first_logits.float().cpu()] if keep_logits else None
-        rows_log = [torch.arange(n)] if keep_logits else None
+        logits_log = [first_logits[:keep].float().cpu()] if keep else None
+        rows_log = [torch.arange(n)[:keep]] if keep else None
         self.ids[:n] = first
         step_ms, step_rows, events = [], [], []
         for t in range(1, new_tokens):
@@ -207,9 +211,9 @@ class DecodeEngine:
             out[order, t] = nxt[:m]
             self.ids[:m] = nxt[:m]
             step_rows.append(rows)
-            if keep_logits:
-                logits_log.append(logits[:m].float().cpu())
-                rows_log.append(torch.tensor(order_host))
+            if keep:
+                logits_log.append(logits[: min(m, keep)].float().cpu())
+                rows_log.append(torch.tensor(order_host[:keep]))
             if progress is not None:
                 progress()
         if events:
