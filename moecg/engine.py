@@ -160,8 +160,8 @@ class DecodeEngine:
 
         keep_logits: True keeps every row's logits per step, an int k the first k slots' (memory: V floats each).
         """
-        keep = n if keep_logits is True else int(keep_logits)
         n, S = prompts.shape
+        keep = n if keep_logits is True else int(keep_logits)
         if n > self.max_rows:
             raise ValueError(f"batch of {n} rows exceeds the engine's {self.max_rows} (raise max_rows)")
         if new_tokens < 1:
@@ -181,7 +181,7 @@ class DecodeEngine:
         out[:, 0] = first
         order = torch.arange(n, device=self.device)  # slot -> original row
         order_host = list(range(n))
-        logits_log = [first_logits[:keep].float().cpu()] if keep else None
+        logits_log = [first_logits[:keep].to("cpu", torch.float32, copy=True)] if keep else None
         rows_log = [torch.arange(n)[:keep]] if keep else None
         self.ids[:n] = first
         step_ms, step_rows, events = [], [], []
@@ -189,10 +189,10 @@ class DecodeEngine:
             # requests that reached their length leave; survivors move to the front (no re-capture needed)
             alive = [i for i, r in enumerate(order_host) if lengths[r] > t]
             if len(alive) < len(order_host):
-                keep = torch.tensor(alive, device=self.device)
-                self.cache.compact(keep)
-                self.ids[: len(alive)] = self.ids.index_select(0, keep)
-                order = order.index_select(0, keep)
+                alive_t = torch.tensor(alive, device=self.device)
+                self.cache.compact(alive_t)
+                self.ids[: len(alive)] = self.ids.index_select(0, alive_t)
+                order = order.index_select(0, alive_t)
                 order_host = [order_host[i] for i in alive]
             m = len(order_host)
             rows = self.rows_for(m)
@@ -212,7 +212,7 @@ class DecodeEngine:
             self.ids[:m] = nxt[:m]
             step_rows.append(rows)
             if keep:
-                logits_log.append(logits[: min(m, keep)].float().cpu())
+                logits_log.append(logits[: min(m, keep)].to("cpu", torch.float32, copy=True))
                 rows_log.append(torch.tensor(order_host[:keep]))
             if progress is not None:
                 progress()

@@ -1,0 +1,283 @@
+"""Train small byte-level MoE models on the Python stdlib's source, save them as moecg checkpoints.
+
+Dims: B batch rows, S sequence length, V vocab (256 bytes), E experts, L layers.
+Random-weight MoE models route almost uniformly and barely react to dropped tokens; these trained ones have
+routers that specialise, so capacity drops cost measurable bits per byte. One plain PyTorch loop: AdamW,
+linear warmup then cosine decay, bf16 autocast on CUDA, HF's router load-balancing loss added to the
+cross entropy. The schedule runs on progress = max(step / --steps, elapsed / --minutes), so a time budget
+still anneals the learning rate to zero and stops on time.
+
+    PYTHONPATH=. python experiments/train_stdlib.py --model all --device cuda --minutes 1.6   # ~4 min, one H200
+    PYTHONPATH=. python experiments/train_stdlib.py --model mixtral_stdlib --device cpu --steps 30 --out /tmp/ck
+
+Writes <out>/<name>/{config.json, model.safetensors (bf16), card.json, MODEL_CARD.md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import moecg
+from moecg.data import heldout_bytes, split_sizes, train_bytes
+from moecg.models import build_model
+from moecg.models.adapter import ADAPTERS
+from moecg.models.zoo import FAMILIES, family_of_config
+from moecg.quality import heldout_bpb, heldout_expert_load
+
+# Shapes for ~4-5M parameters (8-10 MB in bf16); the expert weights are most of it (E*3*D*I per layer).
+# The lead adds these to moecg/models/zoo.py PRESETS under the same names.
+STDLIB_PRESETS: dict[str, dict] = {
+    "mixtral_stdlib": dict(
+        family="mixtral", vocab_size=256, hidden_size=256, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=4096, rope_theta=1e4, sliding_window=None, router_aux_loss_coef=0.01,
+    ),
+    "qwen2_moe_stdlib": dict(
+        family="qwen2_moe", vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        shared_expert_intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=4096, rope_theta=1e4, use_sliding_window=False, router_aux_loss_coef=0.01,
+    ),
+}
+# What card.json records as `heldout_prefix`, and what tests/test_stdlib.py re-evaluates: CPU, fp32.
+PREFIX = dict(max_bytes=16384, seq_len=256, batch_size=16)
+EVAL_CAPACITY_FACTOR = 0.5
+
+
+def stdlib_config(name: str, **overrides):
+    if name not in STDLIB_PRESETS:
+        raise ValueError(f"--model {name!r}: choose one of {sorted(STDLIB_PRESETS)} or all")
+    kwargs = dict(STDLIB_PRESETS[name])
+    config_cls, _ = FAMILIES[kwargs.pop("family")]
+    kwargs.update(overrides)
+    return config_cls(**kwargs)
+
+
+class DummyWandb:
+    def log(self, *args, **kwargs):
+        pass
+
+    def finish(self):
+        pass
+
+
+def lr_at(progress: float, lr: float, warmup: float) -> float:
+    if progress < warmup:
+        return lr * progress / warmup
+    return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup))))
+
+
+def model_class(config):
+    return FAMILIES[family_of_config(config)][1]
+
+
+def train(config, data: torch.Tensor, *, steps: int, batch_size: int, seq_len: int, lr: float = 2e-3,
+          warmup: float = 0.05, weight_decay: float = 0.1, minutes: float | None = None, device="cpu",
+          seed: int = 0, log_every: int = 100, logger=None, eval_data: torch.Tensor | None = None):
+    """Train a fresh model of `config` on random windows of `data` ([N] uint8).
+
+    Returns (model in eval mode, history, steps run, wall seconds of the loop).
+    """
+    device = torch.device(device)
+    logger = logger or DummyWandb()
+    torch.manual_seed(seed)
+    config.output_router_logits = True  # HF then returns the load-balancing loss as out.aux_loss
+    with device:
+        model = model_class(config)(config).float()  # fp32 master weights; autocast does the bf16 math
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0}],
+                            lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    data = data.to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    coef = config.router_aux_loss_coef
+
+    def batch():
+        starts = torch.randint(data.numel() - seq_len - 1, (batch_size, 1), device=device, generator=gen)
+        return data[starts + torch.arange(seq_len + 1, device=device)].long()  # [B, S+1]
+
+    def loss_of(w):
+        with autocast:
+            out = model(input_ids=w[:, :-1], use_cache=False)  # logits [B, S, V]
+        ce = F.cross_entropy(out.logits.float().flatten(0, 1), w[:, 1:].flatten())
+        return ce, out.aux_loss.float()
+
+    if device.type == "cuda":
+        # HF's default experts path is grouped_mm; should this torch build reject it in training (fp32 weights
+        # under autocast), fall back to HF's eager loop rather than lose the run.
+        try:
+            ce, aux = loss_of(batch())
+            (ce + coef * aux).backward()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            print(f"experts_implementation={model.config._experts_implementation} failed in training ({e!r}); "
+                  "using eager", flush=True)
+            model.set_experts_implementation("eager")
+        model.zero_grad(set_to_none=True)
+
+    history, t0, step = [], time.perf_counter(), 0
+    budget_s = minutes * 60 if minutes else None
+    while True:
+        progress = max(step / steps, (time.perf_counter() - t0) / budget_s if budget_s else 0.0)
+        if progress >= 1.0:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(progress, lr, warmup)
+        ce, aux = loss_of(batch())
+        opt.zero_grad(set_to_none=True)
+        (ce + coef * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % log_every == 0 or step == 1:
+            rec = {"step": step, "s": round(time.perf_counter() - t0, 1), "lr": opt.param_groups[0]["lr"],
+                   "bpb_train": ce.item() / math.log(2), "aux_loss": aux.item()}
+            if eval_data is not None:
+                model.eval()
+                with autocast:
+                    rec["bpb_heldout_32k"] = heldout_bpb(model, eval_data, max_bytes=32768)
+                model.train()
+            history.append(rec)
+            logger.log(rec, step=step)
+            print(json.dumps(rec), flush=True)
+    wall = time.perf_counter() - t0
+    model.eval()
+    config.output_router_logits = False  # inference (and graph capture) should not record router logits
+    return model, history, step, wall
+
+
+def evaluate(model_dir: Path, device: str, max_bytes: int | None, seed: int) -> dict:
+    """Numbers for the card. Trained: the saved bf16 weights, evaluated in fp32. Random: same shape, seeded."""
+    from moecg.dispatch import attach, detach, make_dispatcher
+
+    out = {"eval_bytes": max_bytes}
+    built = build_model(pretrained_path=str(model_dir), device=device, dtype="fp32")
+    out["heldout"] = heldout_expert_load(built.model, max_bytes=max_bytes)  # counted through `dynamic`
+    torch.manual_seed(seed)
+    config = built.model.config
+    with torch.device(device):
+        rand = model_class(config)(config).float().eval()
+    out["random_init"] = {"seed": seed, "heldout": heldout_expert_load(rand, max_bytes=max_bytes)}
+    # The test's check: CPU, fp32, a prefix, through build_model exactly as a user loads it.
+    cpu = build_model(pretrained_path=str(model_dir), device="cpu", dtype="fp32").model
+    prefix = dict(PREFIX, device="cpu", dtype="fp32", bpb=heldout_bpb(cpu, **PREFIX))
+    attach(cpu, make_dispatcher("capacity", capacity_factor=EVAL_CAPACITY_FACTOR))
+    prefix[f"bpb_capacity_{EVAL_CAPACITY_FACTOR}"] = heldout_bpb(cpu, **PREFIX)
+    detach(cpu)
+    out["heldout_prefix"] = prefix
+    return out
+
+
+def write_card(model_dir: Path, card: dict) -> None:
+    (model_dir / "card.json").write_text(json.dumps(card, indent=1) + "\n")
+    h, r, p = card["heldout"], card["random_init"]["heldout"], card["heldout_prefix"]
+    cap = f"bpb_capacity_{EVAL_CAPACITY_FACTOR}"
+    d = card["data"]
+    evaluated = "all of" if card["eval_bytes"] is None else f"the first {card['eval_bytes']} bytes of"
+    lines = [
+        f"# {card['name']}",
+        "",
+        f"A {card['family']} MoE ({card['params'] / 1e6:.2f}M parameters, {card['config']['num_hidden_layers']} "
+        f"layers, hidden {card['config']['hidden_size']}, {card['num_experts']} experts, top-{card['top_k']}) "
+        "trained by moecg on bytes of the Python standard library's source (vocab 256, one token per byte). "
+        "Weights saved in bfloat16. Written by `experiments/train_stdlib.py`; `card.json` has the same numbers.",
+        "",
+        "## Training",
+        f"- command: `{card['command']}`",
+        f"- data: local CPython {d['python']} stdlib, train split {d['train_bytes']:,} bytes ({d['train_files']} "
+        f"files); held-out split {d['heldout_local_bytes']:,} bytes, evaluated on the shipped "
+        f"`moecg/data/heldout.txt` ({d['heldout_shipped_bytes']:,} bytes, {d['heldout_shipped_files']} files)",
+        f"- {card['steps']} steps x {card['batch_size']} x {card['seq_len']} bytes = {card['tokens_seen']:,} "
+        f"tokens, AdamW lr {card['lr']} cosine, router aux loss coef {card['router_aux_loss_coef']}",
+        f"- device: {card['device']}, torch {card['torch']}, training loop {card['train_wall_s']:.0f} s",
+        "",
+        f"## Held-out quality ({evaluated} the shipped held-out text, fp32, windows of 256)",
+        "| model | bits per byte | expert-load imbalance (max/mean load, mean over layers) |",
+        "|---|---|---|",
+        f"| trained | {h['bpb']:.4f} | {h['expert_load_imbalance']:.3f} |",
+        f"| random init, same shape | {r['bpb']:.4f} | {r['expert_load_imbalance']:.3f} |",
+        "",
+        f"First {p['max_bytes']} bytes on CPU, batch {p['batch_size']} (what tests/test_stdlib.py checks): "
+        f"{p['bpb']:.4f} bpb with HF's experts, {p[cap]:.4f} with `capacity` at capacity_factor "
+        f"{EVAL_CAPACITY_FACTOR}.",
+        "",
+    ]
+    (model_dir / "MODEL_CARD.md").write_text("\n".join(lines))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="all", help=f"one of {sorted(STDLIB_PRESETS)} or all")
+    ap.add_argument("--steps", type=int, default=20000, help="step budget (the schedule ends at steps or minutes)")
+    ap.add_argument("--minutes", type=float, default=None, help="training-loop time budget per model")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=250)
+    ap.add_argument("--eval-max-bytes", type=int, default=None, help="card numbers on a prefix (default: all)")
+    ap.add_argument("--out", default=str(Path(moecg.__file__).resolve().parent / "checkpoints"))
+    ap.add_argument("--wandb", action="store_true", help="log to wandb in offline mode (./wandb)")
+    args = ap.parse_args(argv)
+
+    names = sorted(STDLIB_PRESETS) if args.model == "all" else [args.model]
+    for name in names:
+        stdlib_config(name)  # bad --model fails before any data or CUDA work
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    command = "python " + shlex.join(sys.argv if argv is None else [sys.argv[0], *argv])
+    sizes = split_sizes()
+    data = torch.frombuffer(bytearray(train_bytes()), dtype=torch.uint8)
+    held = torch.frombuffer(bytearray(heldout_bytes()), dtype=torch.uint8)
+    print(json.dumps(sizes), flush=True)
+    for name in names:
+        logger = DummyWandb()
+        if args.wandb:
+            import wandb
+            logger = wandb.init(project="moecg", name=name, tags=[name, "train_stdlib"], mode="offline",
+                                config=vars(args))
+        config = stdlib_config(name)
+        model, history, steps, wall = train(config, data, steps=args.steps, batch_size=args.batch_size,
+                                            seq_len=args.seq_len, lr=args.lr, minutes=args.minutes, device=device,
+                                            seed=args.seed, log_every=args.log_every, logger=logger, eval_data=held)
+        model_dir = Path(args.out) / name
+        model_dir.mkdir(parents=True, exist_ok=True)
+        model.to(torch.bfloat16).save_pretrained(model_dir)
+        (model_dir / "generation_config.json").unlink(missing_ok=True)  # not needed to load; 4 files a model
+        card = {
+            "name": name, "family": family_of_config(config), "config": STDLIB_PRESETS[name],
+            "params": sum(p.numel() for p in model.parameters()),
+            "num_experts": ADAPTERS[family_of_config(config)].num_experts(config), "top_k": config.num_experts_per_tok,
+            "data": sizes, "steps": steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "tokens_seen": steps * args.batch_size * args.seq_len, "lr": args.lr,
+            "router_aux_loss_coef": config.router_aux_loss_coef, "device": _device_name(device),
+            "torch": torch.__version__, "train_wall_s": round(wall, 1), "command": command, "weights_dtype": "bfloat16",
+        }
+        del model
+        card.update(evaluate(model_dir, device, args.eval_max_bytes, args.seed))
+        card["history"] = history
+        write_card(model_dir, card)
+        print(f"saved {model_dir}: held-out bpb {card['heldout']['bpb']:.4f}, imbalance "
+              f"{card['heldout']['expert_load_imbalance']:.3f} (random init: {card['random_init']['heldout']['bpb']:.3f}"
+              f" bpb, {card['random_init']['heldout']['expert_load_imbalance']:.3f})", flush=True)
+        logger.finish()
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return "cpu"
+
+
+if __name__ == "__main__":
+    main()
