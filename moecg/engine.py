@@ -96,6 +96,7 @@ class DecodeEngine:
         self.step_impl: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = self.eager_step
 
     # -- one forward ------------------------------------------------------------------------------
+    @torch.no_grad()
     def forward(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
         """ids [B, S] -> last-position logits [B, V], eager, on the cache view of B rows."""
         state = state_of(self.model)
@@ -155,10 +156,12 @@ class DecodeEngine:
 
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, new_tokens: int, lengths: list[int] | None = None,
-                 keep_logits: bool | int = False, timing: bool = True, progress=None) -> GenerateResult:
+                 keep_logits: bool | int = False, timing: bool = True, progress=None,
+                 count_prefill: bool = True) -> GenerateResult:
         """Greedy decode `new_tokens` per row (row i stops after lengths[i] tokens, then leaves the batch).
 
         keep_logits: True keeps every row's logits per step, an int k the first k slots' (memory: V floats each).
+        count_prefill: False keeps the prefill out of the drop counters (decode-only drop rates).
         """
         n, S = prompts.shape
         keep = n if keep_logits is True else int(keep_logits)
@@ -172,7 +175,14 @@ class DecodeEngine:
             raise ValueError(f"lengths must give 1..{new_tokens} tokens for each of the {n} rows")
         cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
-        first, first_logits, rows = self.prefill(prompts)
+        state = state_of(self.model)
+        if state is not None and not count_prefill:
+            state.counting = False
+        try:
+            first, first_logits, rows = self.prefill(prompts)
+        finally:
+            if state is not None:
+                state.counting = True
         if cuda:
             torch.cuda.synchronize(self.device)
         prefill_ms = (time.perf_counter() - t0) * 1e3

@@ -108,7 +108,7 @@ def _timed_generate(engine, prompts, cfg, progress=None):
     for r in range(int(m.repeats)):
         if r == 0:
             state.reset()
-        res = engine.generate(prompts, cfg.new_tokens, progress=progress)
+        res = engine.generate(prompts, cfg.new_tokens, progress=progress, count_prefill=False)
         if r == 0:
             first = (res, state.snapshot())
         steps += res.step_ms[int(m.skip_steps):]

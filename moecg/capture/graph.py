@@ -31,6 +31,7 @@ class CudaBackend:
     def __init__(self, device):
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()  # one pool for every graph: buckets share memory
+        self.stream = None
 
     def warmup(self, fn, args, n: int):
         # Warm up on a side stream, as torch.cuda.graphs asks: lazy inits and allocator state settle there.
@@ -42,9 +43,24 @@ class CudaBackend:
         torch.cuda.current_stream(self.device).wait_stream(s)
 
     def capture(self, fn, args):
+        # capture_begin/end on our own stream rather than `with torch.cuda.graph()`, whose __enter__ runs
+        # gc.collect() + empty_cache() per graph: that costs seconds over hundreds of per-layer graphs.
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = fn(*args)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            g.capture_begin(pool=self.pool)
+            try:
+                out = fn(*args)
+            except BaseException:
+                try:
+                    g.capture_end()
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    pass
+                raise
+            g.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return g, out
 
     def replay(self, handle, fn, args, outputs):
