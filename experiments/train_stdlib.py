@@ -7,8 +7,9 @@ linear warmup then cosine decay, bf16 autocast on CUDA, HF's router load-balanci
 cross entropy. The schedule runs on progress = max(step / --steps, elapsed / --minutes), so a time budget
 still anneals the learning rate to zero and stops on time.
 
-    PYTHONPATH=. python experiments/train_stdlib.py --model all --device cuda --minutes 1.6   # ~4 min, one H200
-    PYTHONPATH=. python experiments/train_stdlib.py --model mixtral_stdlib --device cpu --steps 30 --out /tmp/ck
+    PYTHONPATH=. python experiments/train_stdlib.py --device cuda --minutes 1.5       # both models, one H200
+    PYTHONPATH=. python experiments/train_stdlib.py --model mixtral_stdlib --device cpu --steps 30 \
+        --batch-size 8 --seq-len 64 --eval-max-bytes 4096 --out /tmp/ck                # a smoke run
 
 Writes <out>/<name>/{config.json, model.safetensors (bf16), card.json, MODEL_CARD.md}.
 """
@@ -156,20 +157,37 @@ def train(config, data: torch.Tensor, *, steps: int, batch_size: int, seq_len: i
     return model, history, step, wall
 
 
+def load(model_dir: Path, device: str):
+    """The checkpoint in fp32 through `build_model`, as users load it; plain `from_pretrained` if that fails.
+
+    build_model passes device_map, which HF 5.24 refuses without `accelerate`: the run must not lose its
+    evaluation to that after minutes of training.
+    """
+    try:
+        return build_model(pretrained_path=str(model_dir), device=device, dtype="fp32").model
+    except ValueError as e:
+        if "accelerate" not in str(e):
+            raise
+        print(f"build_model failed ({e}); loading with from_pretrained(...).to({device})", flush=True)
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+
+
 def evaluate(model_dir: Path, device: str, max_bytes: int | None, seed: int) -> dict:
     """Numbers for the card. Trained: the saved bf16 weights, evaluated in fp32. Random: same shape, seeded."""
     from moecg.dispatch import attach, detach, make_dispatcher
 
     out = {"eval_bytes": max_bytes}
-    built = build_model(pretrained_path=str(model_dir), device=device, dtype="fp32")
-    out["heldout"] = heldout_expert_load(built.model, max_bytes=max_bytes)  # counted through `dynamic`
+    trained = load(model_dir, device)
+    out["heldout"] = heldout_expert_load(trained, max_bytes=max_bytes)  # counted through `dynamic`
     torch.manual_seed(seed)
-    config = built.model.config
+    config = trained.config
     with torch.device(device):
         rand = model_class(config)(config).float().eval()
     out["random_init"] = {"seed": seed, "heldout": heldout_expert_load(rand, max_bytes=max_bytes)}
     # The test's check: CPU, fp32, a prefix, through build_model exactly as a user loads it.
-    cpu = build_model(pretrained_path=str(model_dir), device="cpu", dtype="fp32").model
+    cpu = load(model_dir, "cpu")
     prefix = dict(PREFIX, device="cpu", dtype="fp32", bpb=heldout_bpb(cpu, **PREFIX))
     attach(cpu, make_dispatcher("capacity", capacity_factor=EVAL_CAPACITY_FACTOR))
     prefix[f"bpb_capacity_{EVAL_CAPACITY_FACTOR}"] = heldout_bpb(cpu, **PREFIX)
@@ -220,7 +238,7 @@ def main(argv=None):
     ap.add_argument("--model", default="all", help=f"one of {sorted(STDLIB_PRESETS)} or all")
     ap.add_argument("--steps", type=int, default=20000, help="step budget (the schedule ends at steps or minutes)")
     ap.add_argument("--minutes", type=float, default=None, help="training-loop time budget per model")
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--device", default="auto")
@@ -267,9 +285,9 @@ def main(argv=None):
         card.update(evaluate(model_dir, device, args.eval_max_bytes, args.seed))
         card["history"] = history
         write_card(model_dir, card)
-        print(f"saved {model_dir}: held-out bpb {card['heldout']['bpb']:.4f}, imbalance "
-              f"{card['heldout']['expert_load_imbalance']:.3f} (random init: {card['random_init']['heldout']['bpb']:.3f}"
-              f" bpb, {card['random_init']['heldout']['expert_load_imbalance']:.3f})", flush=True)
+        h, r = card["heldout"], card["random_init"]["heldout"]
+        print(f"saved {model_dir}: held-out bpb {h['bpb']:.4f}, imbalance {h['expert_load_imbalance']:.3f} "
+              f"(random init: {r['bpb']:.3f} bpb, {r['expert_load_imbalance']:.3f})", flush=True)
         logger.finish()
 
 

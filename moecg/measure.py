@@ -254,15 +254,14 @@ def _quality(cfg, model, dispatcher) -> dict:
     want = cfg.measure.get("heldout_bpb", "auto")
     if want is False or (want == "auto" and model.config.vocab_size != 256):
         return {"heldout_bpb": None, "heldout_bpb_delta_vs_dropless": None}
-    from moecg.quality import heldout_bpb, load_heldout
+    from moecg.quality import heldout_bpb
 
-    data = load_heldout()[: int(cfg.measure.heldout_bytes)]
-    state = state_of(model)
-    state.n_rows = None
-    bpb = heldout_bpb(model, data)
+    n = int(cfg.measure.heldout_bytes)
+    state_of(model).n_rows = None  # teacher-forced windows: every row is real
+    bpb = heldout_bpb(model, max_bytes=n)
     detach(model)
     attach(model, make_dispatcher("dropless"))
-    base = heldout_bpb(model, data)
+    base = heldout_bpb(model, max_bytes=n)
     detach(model)
     attach(model, dispatcher)
     return {"heldout_bpb": bpb, "heldout_bpb_delta_vs_dropless": bpb - base}

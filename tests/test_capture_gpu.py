@@ -7,7 +7,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from moecg.capture import Capture, StrategyError  # noqa: E402
+from moecg.capture import Capture, StrategyError, bucket_for  # noqa: E402
 from moecg.capture.graph import GraphRunner  # noqa: E402
 from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
@@ -44,21 +44,25 @@ def test_every_bucket_replays_eager_tokens(built, strategy, layers, dispatch):
         engine = DecodeEngine(model, 16 + STEPS, 64)
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, model.config.vocab_size, (64, 16), generator=g)
-        # eager references per batch size: odd sizes exercise padding up to the bucket
+        # odd sizes exercise padding up to the bucket. The reference is eager on the same padded rows: a
+        # padded batch changes GEMM shapes, hence bf16 rounding, hence near-tied greedy picks of a random model.
         sizes = [1, 2, 3, 8, 13, 32, 64]
+        unpadded = {n: engine.generate(prompts[:n], STEPS, timing=False) for n in (3, 13)}
+        engine.rows_for = lambda n: bucket_for(n, tuple(BUCKETS))
         refs = {n: engine.generate(prompts[:n], STEPS, keep_logits=4, timing=False) for n in sizes}
         cap = Capture(engine, strategy, layers=layers, buckets=BUCKETS, backend="cuda").apply()
-        worst, agree = 0.0, []
+        worst, agree = 0.0, {}
         for n in sizes:
             got = engine.generate(prompts[:n], STEPS, keep_logits=4, timing=False)
-            agree.append((got.tokens == refs[n].tokens).float().mean().item())
+            agree[n] = (got.tokens == refs[n].tokens).float().mean().item()
             worst = max(worst, max((a - b).abs().max().item() for a, b in zip(refs[n].logits, got.logits)))
+        pad_agree = {n: (unpadded[n].tokens == refs[n].tokens).float().mean().item() for n in unpadded}
         stats = cap.stats()
-        print(f"\n[gpu] {built.name} strategy={strategy} dispatch={dispatch}: token agreement "
-              f"{min(agree):.3f} over sizes {sizes}, max|dlogit| {worst:.3g}, graphs {stats['graphs']}, "
+        print(f"\n[gpu] {built.name} strategy={strategy} dispatch={dispatch}: graph vs eager token agreement "
+              f"{agree}, max|dlogit| {worst:.3g}; padded vs unpadded eager {pad_agree}; graphs {stats['graphs']}, "
               f"capture {stats['capture_s']:.2f}s, graph mem {stats['graph_mem_mib']:.0f} MiB, "
               f"replays/bucket {[v['replays'] for v in stats['buckets'].values()]}")
-        assert min(agree) == 1.0
+        assert min(agree.values()) == 1.0
         assert all(v["replays"] > 0 for k, v in stats["buckets"].items() if k in (1, 2, 4, 8, 16, 32, 64))
         cap.unwrap()
     finally:

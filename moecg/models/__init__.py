@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,14 @@ __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "FamilyAdapter", "adapter_for", "a
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
+
+
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+def shipped_checkpoint(preset: str) -> str | None:
+    path = CHECKPOINTS / preset
+    return str(path) if (path / "config.json").exists() else None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -54,12 +63,15 @@ def build_model(preset: str | None = None, *, pretrained_path: str | None = None
     dt = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
     torch.manual_seed(seed)
+    if not pretrained_path and preset is not None and shipped_checkpoint(preset) is not None:
+        pretrained_path = shipped_checkpoint(preset)  # models trained by moecg ship with it (model=*_stdlib)
     if pretrained_path:
         kwargs = {}
         if num_layers is not None:
             kwargs["num_hidden_layers"] = num_layers
-        model = AutoModelForCausalLM.from_pretrained(pretrained_path, dtype=dt, device_map=dev,
-                                                     attn_implementation=attn_implementation, **kwargs)
+        # no device_map: that path needs `accelerate`; a small checkpoint loads on CPU, then moves once
+        model = AutoModelForCausalLM.from_pretrained(pretrained_path, dtype=dt,
+                                                     attn_implementation=attn_implementation, **kwargs).to(dev)
         name = preset or str(pretrained_path).rstrip("/").split("/")[-1]
     else:
         if preset is None:

@@ -56,6 +56,18 @@ PRESETS: dict[str, dict] = {
         num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         max_position_embeddings=40960, rope_theta=1e6, use_sliding_window=False,
     ),
+    # Byte-level models trained by experiments/train_stdlib.py; the weights ship in moecg/checkpoints/<name>.
+    "mixtral_stdlib": dict(
+        family="mixtral", vocab_size=256, hidden_size=256, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=4096, rope_theta=1e4, sliding_window=None, router_aux_loss_coef=0.01,
+    ),
+    "qwen2_moe_stdlib": dict(
+        family="qwen2_moe", vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        shared_expert_intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=4096, rope_theta=1e4, use_sliding_window=False, router_aux_loss_coef=0.01,
+    ),
 }
 
 
