@@ -77,10 +77,13 @@ def grouped_mm(x, w, offsets):
 
 
 def _grouped_ok(x, w) -> bool:
+    aligned = x.shape[-1] * x.element_size() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0
     if x.device.type == "cuda":
-        return torch.cuda.get_device_capability(x.device) >= (8, 0) and x.dtype in (torch.bfloat16, torch.float32) \
-            and x.shape[-1] * x.element_size() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0
-    return x.shape[-1] * x.element_size() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0
+        # ATen's CUDA _grouped_mm has a kernel only for bf16 on sm90/sm100; anything else (fp32, fp16, sm80)
+        # takes its fallback, which copies `offs` to the host: a sync that breaks capture.
+        return torch.cuda.get_device_capability(x.device)[0] in (9, 10) and x.dtype == torch.bfloat16 \
+            and w.dtype == torch.bfloat16 and aligned
+    return aligned
 
 
 def route_counts(idx, valid, num_experts: int):

@@ -1,0 +1,181 @@
+"""µs per MoE layer for each dispatcher at decode batch sizes, eager and captured in a CUDA graph.
+
+  python experiments/bench_dispatch.py --out experiments/results/h200/dispatch.md \
+      --json experiments/results/h200/dispatch.json
+  python experiments/bench_dispatch.py --device cpu --preset mixtral_tiny --batch 1 4 --repeats 5  # CPU: no graphs
+
+Dims: B batch rows (one decode token each, so T = B tokens), K top-k, E experts, D hidden.
+One model of each preset with a single decoder layer. Scope `experts`: the experts forward alone on a routing
+computed once by the layer's own router; scope `block`: the whole sparse MoE block (router, experts and, for
+Qwen2-MoE, the shared expert). Timing: CUDA events around `--inner` back-to-back calls after `--warmup` calls,
+divided by `--inner`; median over `--repeats`. On CPU, time.perf_counter the same way. `dynamic` is never captured
+(it is not graph-safe). Drop rate: the share of routed assignments the capacity dispatcher dropped on these inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moecg.dispatch import attach, detach, make_dispatcher
+from moecg.measure import env_fields
+from moecg.models import build_model
+
+CASES = [  # label, dispatch, kwargs
+    ("dynamic", "dynamic", {}),
+    ("dropless", "dropless", {}),
+    ("capacity-1.0", "capacity", {"capacity_factor": 1.0}),
+    ("capacity-1.25", "capacity", {"capacity_factor": 1.25}),
+    ("capacity-2.0", "capacity", {"capacity_factor": 2.0}),
+]
+
+
+def time_us(fn, device: torch.device, warmup: int, inner: int, repeats: int) -> float:
+    """Median µs per call of `fn` over `repeats` timings of `inner` back-to-back calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(repeats):
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / inner)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples.append((time.perf_counter() - t0) * 1e6 / inner)
+    return statistics.median(samples)
+
+
+def capture(fn, pool):
+    """Warm up 3x on a side stream (as torch's CUDA-graph docs do), then capture one call of `fn`."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        fn()
+    return g
+
+
+def bench_preset(preset: str, args) -> list[dict]:
+    built = build_model(preset, num_layers=1, dtype=args.dtype, device=args.device, router_skew=args.router_skew)
+    model, dev = built.model, built.device
+    layer = built.adapter.layers(model)[0]
+    block, router = built.adapter.moe_block(layer), built.adapter.router_of(layer)
+    experts = built.adapter.experts_of(layer)
+    D, E, K = model.config.hidden_size, built.adapter.num_experts(model.config), built.adapter.top_k(model.config)
+    print(f"# {preset}: 1 layer, E={E} K={K} D={D}, {built.dtype}, {env_fields()['device_name']}", flush=True)
+    use_graph = dev.type == "cuda" and not args.no_graph
+    pool = torch.cuda.graph_pool_handle() if use_graph else None
+    rows = []
+    for B in args.batch:
+        g = torch.Generator(device=dev).manual_seed(B)
+        hidden = torch.randn(B, D, device=dev, dtype=built.dtype, generator=g)  # [T, D] static input
+        with torch.no_grad():
+            _, w, idx = router(hidden)  # [T, K], [T, K]: the layer's own routing of these tokens
+        calls = {"experts": lambda: experts(hidden, idx, w),
+                 "block": lambda: block(hidden[:, None])}  # the block takes [B, S=1, D]
+        for label, dispatch, kw in CASES:
+            if args.only and label not in args.only:
+                continue
+            state = attach(model, make_dispatcher(dispatch, **kw), max_rows=max(args.batch))
+            try:
+                with torch.no_grad():
+                    state.reset()
+                    experts(hidden, idx, w)
+                    drop = state.snapshot()["drop_rate"]
+                    for scope in args.scope:
+                        fn = calls[scope]
+                        eager = time_us(fn, dev, args.warmup, args.inner, args.repeats)
+                        graph = None
+                        if use_graph and dispatch != "dynamic":
+                            cg = capture(fn, pool)
+                            graph = time_us(cg.replay, dev, args.warmup, args.inner, args.repeats)
+                            del cg
+                        row = {"preset": preset, "scope": scope, "dispatch": label, "batch_size": B, "tokens": B,
+                               "eager_us": eager, "graph_us": graph, "drop_rate": drop}
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+            finally:
+                detach(model)
+    del built, model, block, router, experts
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict], header: str) -> str:
+    dyn = {(r["preset"], r["scope"], r["batch_size"]): r["eager_us"] for r in rows if r["dispatch"] == "dynamic"}
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    lines = [header, "",
+             "| preset | scope | dispatch | B | eager µs | graph µs | graph speedup | best vs dynamic eager | drop rate |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    order = lambda r: (presets.index(r["preset"]), r["scope"] != "experts", r["batch_size"])  # noqa: E731
+    for r in sorted(rows, key=order):
+        best = min(v for v in (r["eager_us"], r["graph_us"]) if v is not None)
+        ref = dyn.get((r["preset"], r["scope"], r["batch_size"]))
+        speed = f"{r['eager_us'] / r['graph_us']:.2f}x" if r["graph_us"] else "-"
+        vs_dyn = f"{ref / best:.2f}x" if ref else "-"
+        lines.append(f"| {r['preset']} | {r['scope']} | {r['dispatch']} | {r['batch_size']} | {fmt(r['eager_us'])} | "
+                     f"{fmt(r['graph_us'])} | {speed} | {vs_dyn} | {r['drop_rate']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", nargs="+", default=["qwen1_5_moe_a2_7b", "mixtral_8x7b"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--scope", nargs="+", choices=["experts", "block"], default=["experts", "block"])
+    ap.add_argument("--only", nargs="*", default=None,
+                    help=f"dispatch labels to run (default all: {', '.join(c[0] for c in CASES)})")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", help="auto = bf16 on cuda, fp32 on cpu")
+    ap.add_argument("--router-skew", type=float, default=0.0)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--inner", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--no-graph", action="store_true", help="eager only, even on cuda")
+    ap.add_argument("--out", default=None, help="markdown table path")
+    ap.add_argument("--json", default=None, help="rows + environment as JSON")
+    args = ap.parse_args(argv)
+    known = {c[0] for c in CASES}
+    if args.only and not set(args.only) <= known:
+        ap.error(f"--only {sorted(set(args.only) - known)}: choose from {sorted(known)}")
+
+    rows = []
+    for preset in args.preset:
+        rows += bench_preset(preset, args)
+    env = env_fields()
+    header = (f"MoE layer time per dispatcher, {env['device_name']}, torch {env['torch_version']}, "
+              f"transformers {env['transformers_version']}, git {env['git_sha']}; median of {args.repeats} x "
+              f"{args.inner} calls, router skew {args.router_skew}")
+    text = table(rows, header)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
