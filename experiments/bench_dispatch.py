@@ -82,7 +82,6 @@ def bench_preset(preset: str, args) -> list[dict]:
     D, E, K = model.config.hidden_size, built.adapter.num_experts(model.config), built.adapter.top_k(model.config)
     print(f"# {preset}: 1 layer, E={E} K={K} D={D}, {built.dtype}, {env_fields()['device_name']}", flush=True)
     use_graph = dev.type == "cuda" and not args.no_graph
-    pool = torch.cuda.graph_pool_handle() if use_graph else None
     rows = []
     for B in args.batch:
         g = torch.Generator(device=dev).manual_seed(B)
@@ -105,7 +104,9 @@ def bench_preset(preset: str, args) -> list[dict]:
                         eager = time_us(fn, dev, args.warmup, args.inner, args.repeats)
                         graph = None
                         if use_graph and dispatch != "dynamic":
-                            cg = capture(fn, pool)
+                            # a private pool per graph: reusing a shared pool after `del cg` trips the
+                            # caching allocator's use_count assert (seen on torch 2.11)
+                            cg = capture(fn, None)
                             graph = time_us(cg.replay, dev, args.warmup, args.inner, args.repeats)
                             del cg
                         row = {"preset": preset, "scope": scope, "dispatch": label, "batch_size": B, "tokens": B,

@@ -35,7 +35,7 @@ DEFAULT = [  # label, strategy, layers, dispatch, dispatch kwargs
 
 
 def time_generate(engine, prompts, new_tokens, repeats, skip):
-    engine.generate(prompts, new_tokens, timing=False)
+    engine.generate(prompts, new_tokens, timing=False, count_prefill=False)
     steps, res = [], None
     for _ in range(repeats):
         res = engine.generate(prompts, new_tokens, count_prefill=False)
