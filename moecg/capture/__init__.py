@@ -84,17 +84,13 @@ class Capture:
             self.applied = True
             return self
         eng.rows_for = self._rows_for
+        state_of(eng.model).mask_in_graphs = self.spec.scope == "step" or "layer" in (self.scopes or [])
         if self.spec.scope == "step":
             eng.step_impl = self._step
         else:
             layers = self.adapter.layers(eng.model)
-            targets = []
-            for i, scope in enumerate(self.scopes):
-                if scope == "layer":
-                    targets.append((i, scope, layers[i]))
-                elif scope == "attn":
-                    targets.append((i, scope, getattr(layers[i], self.adapter.attn)))
-            self.layer_graphs = LayerGraphs(targets, self.runner)
+            targets = [(i, scope, layers[i]) for i, scope in enumerate(self.scopes) if scope != "eager"]
+            self.layer_graphs = LayerGraphs(targets, self.runner, self.adapter)
             self.layer_graphs.install()
         self.applied = True
         try:
@@ -137,6 +133,9 @@ class Capture:
             self.layer_graphs.uninstall()
         eng.rows_for = lambda n: n
         eng.step_impl = eng.eager_step
+        state = state_of(eng.model)
+        if state is not None:
+            state.mask_in_graphs = False
         self.applied = False
 
     # -- records -----------------------------------------------------------------------------------------

@@ -34,7 +34,5 @@ class Dropless(Dispatcher):
         out[perm] = y  # back to (token, k) order
         out = out.view(T, K, -1).sum(1)  # [T, D], fp32 accumulation as HF's grouped_mm path
         if counters is not None:
-            zero_e = torch.zeros_like(counts)
-            counters.add(counts, zero_e, routed_mass(idx_m, w, E), zero_e.float(),
-                         count_valid(valid, T, hidden.device), zero_e.new_zeros(()))
+            counters.add_routed(counts, routed_mass(idx_m, w, E), count_valid(valid, T, hidden.device))
         return out.to(hidden.dtype)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from moecg.dispatch.base import Dispatcher, count_valid, register, route_counts, routed_mass
 
 
@@ -23,7 +21,5 @@ class Dynamic(Dispatcher):
         # HF's loop skips expert id E (its one_hot has E+1 classes), so pad rows route nowhere.
         out = type(experts).forward.__wrapped__(experts, hidden, idx_m, w)  # [T, D]
         if counters is not None:
-            zero_e = torch.zeros_like(counts)
-            counters.add(counts, zero_e, routed_mass(idx_m, w, E), zero_e.float(),
-                         count_valid(valid, hidden.shape[0], hidden.device), zero_e.new_zeros(()))
+            counters.add_routed(counts, routed_mass(idx_m, w, E), count_valid(valid, hidden.shape[0], hidden.device))
         return out

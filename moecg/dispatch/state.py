@@ -23,6 +23,12 @@ class LayerCounters:
     tokens: torch.Tensor  # [] int64  valid tokens seen
     lost_all: torch.Tensor  # [] int64  valid tokens that lost all K experts
 
+    def add_routed(self, routed, routed_mass, tokens):
+        """A dispatcher that never drops: three in-place adds instead of six."""
+        self.routed.add_(routed)
+        self.routed_mass.add_(routed_mass)
+        self.tokens.add_(tokens)
+
     def add(self, routed, dropped, routed_mass, dropped_mass, tokens, lost_all):
         self.routed.add_(routed)
         self.dropped.add_(dropped)
@@ -46,6 +52,10 @@ class DispatchState:
         self.tokens, self.lost_all = z(L), z(L)  # [L]
         self.row_valid = torch.ones(max_rows, dtype=torch.bool, device=device)  # [B_max]
         self.n_rows: int | None = None  # rows of the forward being traced/run; None: no masking
+        self.n_valid: int | None = None  # real rows among them (host-side, from set_rows)
+        # True while graphs that contain MoE layers exist: they must always apply the mask, because one graph
+        # serves every real-row count of its bucket. Eager MoE can skip it when no row is padding.
+        self.mask_in_graphs = False
         self.counting = True
 
     # -- counters ---------------------------------------------------------------------------------
@@ -100,7 +110,7 @@ class DispatchState:
             raise ValueError(f"{n_rows} rows exceed the dispatch mask size {self.row_valid.numel()}")
         self.row_valid[:n_valid].fill_(True)
         self.row_valid[n_valid:].fill_(False)
-        self.n_rows = n_rows
+        self.n_rows, self.n_valid = n_rows, n_valid
 
     @contextmanager
     def rows(self, n_rows: int):
@@ -116,6 +126,8 @@ class DispatchState:
         if self.n_rows is None:
             return None
         rows = self.n_rows
+        if self.n_valid is not None and self.n_valid >= rows and not self.mask_in_graphs:
+            return None  # nothing padded and nothing captured: skip the masking kernels
         if num_tokens % rows:
             raise RuntimeError(f"{num_tokens} tokens do not split into {rows} rows")
         mask = self.row_valid[:rows]  # [B]

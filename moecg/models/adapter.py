@@ -15,6 +15,8 @@ from moecg.models.zoo import family_of_config
 class FamilyAdapter:
     family: str
     attn: str = "self_attn"
+    input_norm: str = "input_layernorm"
+    post_norm: str = "post_attention_layernorm"
     moe: str = "mlp"
     router: str = "gate"
     experts: str = "experts"
