@@ -151,7 +151,9 @@ class DecodeEngine:
         padded = torch.zeros(rows, S, dtype=torch.long, device=self.device)  # [B, S]
         padded[:n] = prompts.to(self.device)
         self._set_rows(n, rows)
-        logits = self.forward(padded, rows)  # [B, V]
+        state = state_of(self.model)
+        with state.prefill() if state is not None else _null():
+            logits = self.forward(padded, rows)  # [B, V]
         return logits[:n].argmax(-1), logits[:n], rows
 
     @torch.no_grad()

@@ -74,8 +74,18 @@ def env_fields() -> dict:
 
 
 def dispatcher_from_cfg(d) -> object:
-    kwargs = {k: v for k, v in dict(d).items() if k != "name"}
+    kwargs = {k: v for k, v in dict(d).items() if k not in ("name", "prefill")}
     return make_dispatcher(d.name, **kwargs)
+
+
+def prefill_dispatcher_from_cfg(d):
+    """dispatch.prefill: `same` (default) or another dispatcher's name for the eager prefill."""
+    from moecg.dispatch import REGISTRY
+
+    name = d.get("prefill", "same") or "same"
+    if name != "same" and name not in REGISTRY:
+        raise ValueError(f"dispatch.prefill={name!r}: choose same or one of {sorted(REGISTRY)}")
+    return None if name == "same" or name == d.name else make_dispatcher(name)
 
 
 # -- HBM floor --------------------------------------------------------------------------------------------
@@ -137,6 +147,7 @@ def run_experiment(cfg, progress=None) -> dict:
     mcfg = cfg.model
     # ---- validate before any CUDA work -----------------------------------------------------------------
     dispatcher = dispatcher_from_cfg(cfg.dispatch)
+    prefill_dispatcher = prefill_dispatcher_from_cfg(cfg.dispatch)
     buckets = validate_buckets(cfg.capture.buckets)
     if cfg.batch_size < 1 or cfg.prompt_len < 1 or cfg.new_tokens < 1:
         raise ValueError("batch_size, prompt_len and new_tokens must all be >= 1")
@@ -173,7 +184,7 @@ def run_experiment(cfg, progress=None) -> dict:
         ref = DecodeEngine(model, max_cache_len, max_rows).generate(prompts, cfg.new_tokens, keep_logits=keep,
                                                                    timing=False)
         detach(model)
-    attach(model, dispatcher, max_rows=max_rows)
+    attach(model, dispatcher, max_rows=max_rows).prefill_dispatcher = prefill_dispatcher
     engine = DecodeEngine(model, max_cache_len, max_rows)
     eager_steps = None
     if m.eager_baseline and cfg.strategy.name != "eager":
@@ -214,6 +225,7 @@ def run_experiment(cfg, progress=None) -> dict:
         "dtype": str(built.dtype).replace("torch.", ""), "device": dev.type,
         "strategy": cfg.strategy.name, "strategy_layers": cfg.strategy.get("layers"),
         "dispatch": d["dispatch"], "capacity_factor": d["capacity_factor"], "drop_policy": d["drop_policy"],
+        "prefill_dispatch": prefill_dispatcher.name if prefill_dispatcher else d["dispatch"],
         "router_skew": float(mcfg.router_skew), "batch_size": B, "bucket": rows_run if stats["captured"] else None,
         "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "max_cache_len": max_cache_len,
         "seed": int(cfg.seed), "prompts": cfg.get("prompts", "random"),

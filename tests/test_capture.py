@@ -190,3 +190,26 @@ def test_failed_capture_names_strategy_bucket_and_fixes(model, monkeypatch):
         assert engine.step_impl == engine.eager_step  # the failed apply unwrapped itself
     finally:
         detach(model)
+
+
+def test_prefill_dispatcher_keeps_prompt_tokens_undropped(model):
+    """dispatch.prefill=dropless: capacity applies to decode only; at bs 1 decode cannot drop (C >= 1 >= load)."""
+    prompts = _prompts(1, s=8)
+    attach(model, make_dispatcher("dropless"), max_rows=1)
+    try:
+        ref = DecodeEngine(model, 24, 1).generate(prompts, 12)
+    finally:
+        detach(model)
+    state = attach(model, make_dispatcher("capacity", capacity_factor=0.5), max_rows=1)
+    try:
+        engine = DecodeEngine(model, 24, 1)
+        engine.generate(prompts, 12)
+        assert state.snapshot()["dropped_assignments"] > 0  # the 8-token prefill overflowed C = 1
+        state.prefill_dispatcher = make_dispatcher("dropless")
+        state.reset()
+        got = engine.generate(prompts, 12)
+        assert state.snapshot()["dropped_assignments"] == 0
+        assert torch.equal(got.tokens, ref.tokens)
+        assert state.dispatcher.name == "capacity"  # restored after the prefill
+    finally:
+        detach(model)

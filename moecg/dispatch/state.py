@@ -43,6 +43,7 @@ class DispatchState:
 
     def __init__(self, dispatcher, layer_ids: list[int], num_experts: int, max_rows: int, device):
         self.dispatcher = dispatcher
+        self.prefill_dispatcher = None  # None: the prefill uses `dispatcher` too
         self.layer_ids = list(layer_ids)  # decoder-layer index of each MoE slot
         self.num_experts = num_experts
         L, E = len(layer_ids), num_experts
@@ -102,6 +103,17 @@ class DispatchState:
             "experts_hit_per_layer": (routed > 0).sum(1).tolist(),
             "global_load": load.tolist(),
         }
+
+    @contextmanager
+    def prefill(self):
+        """Run the (eager) prefill with `prefill_dispatcher` when one is set, e.g. dropless before capacity decode."""
+        main = self.dispatcher
+        if self.prefill_dispatcher is not None:
+            self.dispatcher = self.prefill_dispatcher
+        try:
+            yield
+        finally:
+            self.dispatcher = main
 
     # -- row mask ---------------------------------------------------------------------------------
     def set_rows(self, n_valid: int, n_rows: int) -> None:
