@@ -38,7 +38,7 @@ def apply_router_skew(model, skew: float, seed: int = 0) -> None:
     from moecg.models.adapter import adapter_for
 
     if skew < 0 or not math.isfinite(skew):
-        raise ValueError(f"model.router_skew={skew}: must be a finite number >= 0 (0 = off; 1-2 gives strong skew)")
+        raise ValueError(f"model.router_skew={skew}: must be a finite number >= 0 (0 = off; on random-weight routers 0.05-0.3 spans mild to saturated)")
     remove_router_skew(model)
     if skew == 0:
         return
