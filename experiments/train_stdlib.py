@@ -30,24 +30,12 @@ import moecg
 from moecg.data import heldout_bytes, split_sizes, train_bytes
 from moecg.models import build_model
 from moecg.models.adapter import ADAPTERS
-from moecg.models.zoo import FAMILIES, family_of_config
+from moecg.models.zoo import FAMILIES, PRESETS, family_of_config, make_config
 from moecg.quality import heldout_bpb, heldout_expert_load
 
-# Shapes for ~4-5M parameters (8-10 MB in bf16); the expert weights are most of it (E*3*D*I per layer).
-# The lead adds these to moecg/models/zoo.py PRESETS under the same names.
-STDLIB_PRESETS: dict[str, dict] = {
-    "mixtral_stdlib": dict(
-        family="mixtral", vocab_size=256, hidden_size=256, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=4096, rope_theta=1e4, sliding_window=None, router_aux_loss_coef=0.01,
-    ),
-    "qwen2_moe_stdlib": dict(
-        family="qwen2_moe", vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        shared_expert_intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
-        max_position_embeddings=4096, rope_theta=1e4, use_sliding_window=False, router_aux_loss_coef=0.01,
-    ),
-}
+# Shapes for ~4-5M parameters (8-10 MB in bf16) live in moecg/models/zoo.py PRESETS (*_stdlib), the same
+# presets `model=mixtral_stdlib` loads the shipped weights into.
+STDLIB_PRESETS = {name: PRESETS[name] for name in ("mixtral_stdlib", "qwen2_moe_stdlib")}
 # What card.json records as `heldout_prefix`, and what tests/test_stdlib.py re-evaluates: CPU, fp32.
 PREFIX = dict(max_bytes=16384, seq_len=256, batch_size=16)
 EVAL_CAPACITY_FACTOR = 0.5
@@ -56,10 +44,7 @@ EVAL_CAPACITY_FACTOR = 0.5
 def stdlib_config(name: str, **overrides):
     if name not in STDLIB_PRESETS:
         raise ValueError(f"--model {name!r}: choose one of {sorted(STDLIB_PRESETS)} or all")
-    kwargs = dict(STDLIB_PRESETS[name])
-    config_cls, _ = FAMILIES[kwargs.pop("family")]
-    kwargs.update(overrides)
-    return config_cls(**kwargs)
+    return make_config(name, overrides=overrides)
 
 
 class DummyWandb:
@@ -158,20 +143,8 @@ def train(config, data: torch.Tensor, *, steps: int, batch_size: int, seq_len: i
 
 
 def load(model_dir: Path, device: str):
-    """The checkpoint in fp32 through `build_model`, as users load it; plain `from_pretrained` if that fails.
-
-    build_model passes device_map, which HF 5.24 refuses without `accelerate`: the run must not lose its
-    evaluation to that after minutes of training.
-    """
-    try:
-        return build_model(pretrained_path=str(model_dir), device=device, dtype="fp32").model
-    except ValueError as e:
-        if "accelerate" not in str(e):
-            raise
-        print(f"build_model failed ({e}); loading with from_pretrained(...).to({device})", flush=True)
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    """The checkpoint in fp32 through `build_model`, as users load it."""
+    return build_model(pretrained_path=str(model_dir), device=device, dtype="fp32").model
 
 
 def evaluate(model_dir: Path, device: str, max_bytes: int | None, seed: int) -> dict:
