@@ -123,3 +123,22 @@ def test_every_config_option_composes():
         for group in GROUPS:
             if group != "experiment":
                 assert compose(config_name="config")[group] is not None
+
+
+def test_prompts_from_file_and_heldout(tmp_path):
+    from omegaconf import OmegaConf
+
+    from moecg.measure import make_prompts
+
+    f = tmp_path / "ids.txt"
+    f.write_text("1 2 3 4 5\n6 7 8 9 10\n")
+    cfg = OmegaConf.create({"batch_size": 2, "prompt_len": 4, "seed": 0, "prompts": "file", "prompt_file": str(f)})
+    assert make_prompts(cfg, 512).tolist() == [[1, 2, 3, 4], [6, 7, 8, 9]]
+    cfg.prompt_len = 6
+    with pytest.raises(ValueError, match="need 2 rows of at least prompt_len=6"):
+        make_prompts(cfg, 512)
+    cfg.prompt_len, cfg.batch_size = 4, 2
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 8\)"):
+        make_prompts(cfg, 8)
+    held = make_prompts(OmegaConf.create({"batch_size": 3, "prompt_len": 16, "seed": 1, "prompts": "heldout"}), 256)
+    assert held.shape == (3, 16) and int(held.max()) < 256
