@@ -115,13 +115,20 @@ def _run_isolated(cfg) -> dict:
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(OmegaConf.to_container(cfg, resolve=True), q))
     p.start()
-    try:
-        status, payload = q.get()
-    except Exception as e:  # noqa: BLE001
-        status, payload = "err", f"child died: {e}"
+    import queue
+
+    status, payload = "err", "the job's process died without a result (killed, or a crash inside CUDA)"
+    while True:  # poll, so a child that dies hard (segfault, OOM kill) cannot hang the sweep
+        try:
+            status, payload = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                break
     p.join()
     if status != "ok":
-        raise RuntimeError(f"isolated job failed: {payload}")
+        print(payload, file=sys.stderr)
+        raise RuntimeError(f"isolated job failed: {payload.splitlines()[0]}")
     return payload
 
 
