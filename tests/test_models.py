@@ -3,7 +3,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from moecg.dispatch import attach, detach, make_dispatcher, state_of
+from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
 from moecg.models import PRESETS, apply_router_skew, build_model, make_config
 

@@ -5,7 +5,6 @@ binds each experts module to a model-wide `DispatchState` (row mask + counters).
 """
 from __future__ import annotations
 
-import torch
 from transformers.integrations.moe import ExpertsInterface
 
 from moecg.dispatch import capacity, dropless, dynamic  # noqa: F401  (register the dispatchers)

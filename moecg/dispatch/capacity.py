@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moecg.dispatch.base import Dispatcher, count_valid, expert_mlp_padded, register, route_counts, routed_mass
+from moecg.dispatch.base import Dispatcher, count_valid, expert_mlp_padded, register
 
 DROP_POLICIES = ("probs", "position")
 
