@@ -94,6 +94,9 @@ class DecodeEngine:
         # Strategy hooks: `rows_for(n)` picks how many rows to run for n real ones; `step_impl` runs a step.
         self.rows_for: Callable[[int], int] = lambda n: n
         self.step_impl: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = self.eager_step
+        # Optional replacement for the model's forward on decode calls (one token per row), e.g. an Inductor-
+        # compiled forward that a strategy then captures; prefill always runs the plain model.
+        self.decode_forward: Callable | None = None
 
     # -- one forward ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -101,8 +104,9 @@ class DecodeEngine:
         """ids [B, S] -> last-position logits [B, V], eager, on the cache view of B rows."""
         state = state_of(self.model)
         ctx = state.rows(rows) if state is not None else _null()
+        call = self.decode_forward if self.decode_forward is not None and ids.shape[1] == 1 else self.model
         with ctx:
-            out = self.model(input_ids=ids, cache=self.cache.view(rows), use_cache=True, logits_to_keep=1)
+            out = call(input_ids=ids, cache=self.cache.view(rows), use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]  # [B, V]
 
     def eager_step(self, ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -193,7 +193,9 @@ def run_experiment(cfg, progress=None) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cap = Capture(engine, cfg.strategy.name, layers=cfg.strategy.get("layers"), buckets=buckets,
-                      backend=cfg.capture.backend, warmup=int(cfg.capture.warmup)).apply()
+                      backend=cfg.capture.backend, warmup=int(cfg.capture.warmup),
+                      compile=bool(cfg.capture.get("compile", False)),
+                      compile_mode=cfg.capture.get("compile_mode", "default")).apply()
     for w in caught:
         print(f"warning: {w.message}")
     steps, (first_res, drops) = _timed_generate(engine, prompts, cfg, progress)
@@ -229,7 +231,7 @@ def run_experiment(cfg, progress=None) -> dict:
         "router_skew": float(mcfg.router_skew), "batch_size": B, "bucket": rows_run if stats["captured"] else None,
         "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "max_cache_len": max_cache_len,
         "seed": int(cfg.seed), "prompts": cfg.get("prompts", "random"),
-        "captured": stats["captured"], "capture_backend": stats["capture_backend"],
+        "captured": stats["captured"], "capture_backend": stats["capture_backend"], "compiled": stats["compiled"],
         "ms_per_token_p50": p50, "ms_per_token_p90": percentile(steps, 0.9),
         "tokens_per_s": B * 1e3 / p50 if p50 == p50 and p50 > 0 else None,
         "step_ms": first_res.step_ms,

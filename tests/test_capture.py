@@ -213,3 +213,28 @@ def test_prefill_dispatcher_keeps_prompt_tokens_undropped(model):
         assert state.dispatcher.name == "capacity"  # restored after the prefill
     finally:
         detach(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["full", "partial"])
+def test_compiled_pieces_captured_match_eager(strategy):
+    """capture.compile=true: Inductor-compiled step / layer pieces, then captured (emulated here), same tokens."""
+    model = build_model("mixtral_tiny").model
+    prompts = _prompts(2)
+    attach(model, make_dispatcher("dropless"), max_rows=2)
+    try:
+        engine = DecodeEngine(model, 24, 2)
+        ref = engine.generate(prompts, 8, keep_logits=True)
+        cap = Capture(engine, strategy, buckets=[1, 2], backend="emulate", compile=True).apply()
+        got = engine.generate(prompts, 8, keep_logits=True)
+        assert cap.stats()["compiled"]
+        assert torch.equal(got.tokens, ref.tokens)
+        for a, b in zip(ref.logits, got.logits):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        cap.unwrap()
+        assert engine.decode_forward is None
+        with pytest.raises(StrategyError, match="reduce-overhead"):
+            Capture(engine, "full", buckets=[1], backend="emulate", compile=True, compile_mode="reduce-overhead").apply()
+    finally:
+        torch._dynamo.reset()
+        detach(model)

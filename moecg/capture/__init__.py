@@ -36,7 +36,8 @@ class CaptureError(RuntimeError):
 
 class Capture:
     def __init__(self, engine, strategy: str = "eager", *, layers: str | None = None, buckets=DEFAULT_BUCKETS,
-                 backend: str = "auto", warmup: int = 3):
+                 backend: str = "auto", warmup: int = 3, compile: bool = False,
+                 compile_mode: str = "default"):
         self.engine = engine
         model = engine.model
         self.adapter = _adapter(model)
@@ -51,6 +52,12 @@ class Capture:
             warnings.warn(f"CUDA graphs are unavailable on {engine.device.type}: strategy={strategy} runs eagerly "
                           "with the same dispatch (captured: false); drop counts are still real", stacklevel=2)
         self.runner = GraphRunner(self.backend, warmup) if self.backend is not None else None
+        # Inductor-compiled pieces (fused kernels, no cudagraphs of its own) that moecg's graphs then capture.
+        self.compile, self.compile_mode = bool(compile), compile_mode
+        if self.compile and compile_mode not in ("default", "max-autotune-no-cudagraphs"):
+            raise StrategyError(f"capture.compile_mode={compile_mode!r}: use default or max-autotune-no-cudagraphs "
+                                "(reduce-overhead and max-autotune add Inductor's own CUDA graphs; moecg captures "
+                                "the compiled code itself)")
         self.layer_graphs: LayerGraphs | None = None
         self._warned_big = False
         self.applied = False
@@ -85,12 +92,15 @@ class Capture:
             return self
         eng.rows_for = self._rows_for
         state_of(eng.model).mask_in_graphs = self.spec.scope == "step" or "layer" in (self.scopes or [])
+        if self.compile and self.spec.scope == "step":
+            eng.decode_forward = self._compiled(eng.model.forward)
         if self.spec.scope == "step":
             eng.step_impl = self._step
         else:
             layers = self.adapter.layers(eng.model)
             targets = [(i, scope, layers[i]) for i, scope in enumerate(self.scopes) if scope != "eager"]
-            self.layer_graphs = LayerGraphs(targets, self.runner, self.adapter)
+            self.layer_graphs = LayerGraphs(targets, self.runner, self.adapter,
+                                            compile_fn=self._compiled if self.compile else None)
             self.layer_graphs.install()
         self.applied = True
         try:
@@ -127,8 +137,12 @@ class Capture:
         eng.cache.reset()
         state.reset()
 
+    def _compiled(self, fn):
+        return torch.compile(fn, mode=self.compile_mode, dynamic=False)
+
     def unwrap(self) -> None:
         eng = self.engine
+        eng.decode_forward = None
         if self.layer_graphs is not None:
             self.layer_graphs.uninstall()
         eng.rows_for = lambda n: n
@@ -158,6 +172,7 @@ class Capture:
             "buckets": buckets,
             "layer_scopes": self.scopes,
             "layer_fallbacks": self.layer_graphs.fallbacks if self.layer_graphs else 0,
+            "compiled": self.compile and self.runner is not None,
         }
 
 

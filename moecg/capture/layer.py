@@ -23,9 +23,10 @@ def _same(a, b) -> bool:
 
 
 class LayerGraphs:
-    def __init__(self, targets: list[tuple[int, str, object]], runner: GraphRunner, adapter):
+    def __init__(self, targets: list[tuple[int, str, object]], runner: GraphRunner, adapter, compile_fn=None):
         self.targets = targets  # (layer index, scope, decoder layer)
         self.adapter = adapter
+        self.compile_fn = compile_fn  # wraps the captured piece (e.g. torch.compile), None: as is
         self.runner = runner
         self.capturing = False
         self._owner: dict[int, Tensor] = {}  # id(static) -> static, every static tensor we own
@@ -61,7 +62,9 @@ class LayerGraphs:
         return static
 
     def _wrap(self, idx: int, scope: str, module, orig):
+        piece = self.compile_fn or (lambda f: f)
         if scope == "layer":
+            orig = piece(orig)
             return lambda *args, **kwargs: self._call(idx, orig, args, kwargs)
         # scope "attn": input norm + attention + residual + post-attention norm in one graph, MoE FFN eager.
         # Capturing the norms and the residual too saves ~13 eager kernels per layer over attention alone.
@@ -72,8 +75,10 @@ class LayerGraphs:
             h = hidden_states + attn(norm1(hidden_states), *args, **kwargs)[0]  # [B, S, D]
             return h, norm2(h)
 
+        graphed = piece(attn_part)
+
         def forward(hidden_states, *args, **kwargs):
-            h, normed = self._call(idx, attn_part, (hidden_states, *args), kwargs)
+            h, normed = self._call(idx, graphed, (hidden_states, *args), kwargs)
             return h + mlp(normed)
 
         return forward

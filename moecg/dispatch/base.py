@@ -78,6 +78,8 @@ def grouped_mm(x, w, offsets):
 
 def _grouped_ok(x, w) -> bool:
     aligned = x.shape[-1] * x.element_size() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0
+    if torch.compiler.is_compiling() and (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16):
+        return False  # Inductor's grouped_mm (and its fake kernel) takes bf16 only
     if x.device.type == "cuda":
         # ATen's CUDA _grouped_mm has a kernel only for bf16 on sm90/sm100; anything else (fp32, fp16, sm80)
         # takes its fallback, which copies `offs` to the host: a sync that breaks capture.

@@ -1,0 +1,183 @@
+"""HF generate vs the torch.compile recipe vs moecg's strategies: one model, one process, one table (issue 6).
+
+  python experiments/bench_vs_compile.py --preset qwen1_5_moe_a2_7b --batch 1 8 --out experiments/results/h200/vs_compile.md
+  python experiments/bench_vs_compile.py --preset mixtral_tiny --device cpu --batch 1 --compile-mode default  # smoke
+
+Rows, all greedy, ms per decode step (prefill excluded), same prompts, same max cache length:
+  hf_generate      `model.generate()` with its defaults (DynamicCache, HF's default experts implementation);
+                   per step = (t(N new tokens) - t(1 new token)) / (N - 1)
+  compile          HF StaticCache + torch.compile(model.forward, mode=--compile-mode, fullgraph=True),
+                   experts_implementation=grouped_mm; compile time = the first decode calls until steady
+  moecg:<strategy> moecg's engine with dispatch=dropless (capacity: dispatch=capacity cf 1.25); `full+compile`:
+                   the decode forward Inductor-compiled without its own cudagraphs, then captured by moecg
+Timing: CUDA events per step after warmup, median over steps of --repeats generates (perf_counter on CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import StaticCache
+
+from moecg.capture import Capture, bucket_for
+from moecg.dispatch import attach, detach, make_dispatcher, state_of
+from moecg.engine import DecodeEngine
+from moecg.measure import env_fields, floor_bytes
+from moecg.models import build_model
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def hf_generate_ms(model, prompts, new_tokens, repeats):
+    dev = next(model.parameters()).device
+
+    def run(n):
+        sync(dev)
+        t = time.perf_counter()
+        model.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        sync(dev)
+        return time.perf_counter() - t
+
+    run(2)
+    full = statistics.median(run(new_tokens) for _ in range(repeats))
+    one = statistics.median(run(1) for _ in range(repeats))
+    return (full - one) / (new_tokens - 1) * 1e3
+
+
+def compile_ms(model, prompts, new_tokens, repeats, cache_len, mode):
+    """HF's recipe: StaticCache + compiled forward for decode, eager prefill. Returns (ms/step, compile s)."""
+    dev = next(model.parameters()).device
+    torch._dynamo.reset()
+    fwd = torch.compile(model.forward, mode=mode, fullgraph=True)
+    def generate():
+        cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        with torch.no_grad():
+            logits = model(input_ids=prompts, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            ids = logits.argmax(-1)[:, None]
+            times = []
+            for _ in range(new_tokens - 1):
+                sync(dev)
+                t = time.perf_counter()
+                out = fwd(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                ids = out.logits[:, -1].argmax(-1)[:, None].clone()
+                sync(dev)
+                times.append((time.perf_counter() - t) * 1e3)
+        return times
+
+    t0 = time.perf_counter()
+    generate()  # compiles (and, for reduce-overhead, records its graphs) for this batch size
+    generate()
+    compile_s = time.perf_counter() - t0
+    steps = []
+    for _ in range(repeats):
+        steps += generate()[2:]
+    return statistics.median(steps), compile_s
+
+
+def moecg_ms(model, prompts, new_tokens, repeats, cache_len, strategy, dispatch, kw, buckets, compile_mode=None):
+    B = prompts.shape[0]
+    rows = max(bucket_for(B, buckets) or B, B)
+    attach(model, make_dispatcher(dispatch, **kw), max_rows=rows)
+    try:
+        engine = DecodeEngine(model, cache_len, rows)
+        t0 = time.perf_counter()
+        cap = Capture(engine, strategy, buckets=buckets, compile=compile_mode is not None,
+                      compile_mode=compile_mode or "default").apply()
+        capture_s = time.perf_counter() - t0
+        engine.generate(prompts, new_tokens, timing=False)
+        steps = []
+        for _ in range(repeats):
+            steps += engine.generate(prompts, new_tokens).step_ms[2:]
+        # floor: the experts one decode step touches
+        state = state_of(model)
+        engine.prefill(prompts)
+        state.reset()
+        engine.step_impl(engine.ids, engine.rows_for(B))
+        hits = state.snapshot()["experts_hit_per_layer"]
+        cap.unwrap()
+        return statistics.median(steps), capture_s, cap.stats()["captured"], hits
+    finally:
+        detach(model)
+        torch._dynamo.reset()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen1_5_moe_a2_7b")
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--cache-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile-mode", default="reduce-overhead")
+    ap.add_argument("--strategies", nargs="+", default=["partial", "layer", "full", "capacity", "full+compile"],
+                    help="moecg strategies; a '+compile' suffix Inductor-compiles the captured pieces first")
+    ap.add_argument("--moecg-compile-mode", default="max-autotune-no-cudagraphs")
+    ap.add_argument("--skip-hf-generate", action="store_true")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--bandwidth-gbps", type=float, default=4300)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.prompt_len + args.new_tokens > args.cache_len:
+        ap.error(f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} exceeds --cache-len {args.cache_len}")
+
+    built = build_model(args.preset, num_layers=args.num_layers, device=args.device)
+    model, dev = built.model, built.device
+    buckets = (1, 2, 4, 8, 16, 32, 64)
+    results = []
+    for bs in args.batch:
+        prompts = torch.randint(0, model.config.vocab_size, (bs, args.prompt_len),
+                                generator=torch.Generator().manual_seed(bs)).to(dev)
+        row = {"batch_size": bs}
+        model.set_experts_implementation("grouped_mm")
+        if not args.skip_hf_generate:
+            row["hf_generate"] = hf_generate_ms(model, prompts, args.new_tokens, args.repeats)
+        row["compile"], row["compile_s"] = compile_ms(model, prompts, args.new_tokens, args.repeats, args.cache_len,
+                                                      args.compile_mode)
+        torch._dynamo.reset()
+        hits = None
+        for s in args.strategies:
+            name, _, extra = s.partition("+")
+            dispatch, kw = ("capacity", {"capacity_factor": 1.25}) if name == "capacity" else ("dropless", {})
+            mode = args.moecg_compile_mode if extra == "compile" else None
+            ms, cap_s, captured, h = moecg_ms(model, prompts.cpu(), args.new_tokens, args.repeats,
+                                              args.cache_len, name, dispatch, kw, buckets, mode)
+            row[f"moecg:{s}"], row[f"moecg:{s}:capture_s"], row["captured"] = ms, cap_s, captured
+            hits = h if name != "capacity" else hits
+        if hits is not None:
+            fb = floor_bytes(model, built.adapter, hits, bs, args.prompt_len + args.new_tokens // 2)
+            row["floor_ms"] = fb / (args.bandwidth_gbps * 1e9) * 1e3
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+    head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, {env_fields()['device_name']}, "
+            f"prompt {args.prompt_len}, {args.new_tokens} new tokens, StaticCache {args.cache_len}, "
+            f"compile mode {args.compile_mode}; ms per decode step (ratio to compile)")
+    cols = (["hf_generate"] if not args.skip_hf_generate else []) + ["compile"] + [f"moecg:{s}" for s in args.strategies]
+    lines = [head, "", "| bs | " + " | ".join(cols) + " | compile s | floor ms |", "|---|" + "---|" * (len(cols) + 2)]
+    for r in results:
+        cells = [f"{r[c]:.2f} ({r[c] / r['compile']:.2f}x)" for c in cols]
+        lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + f" | {r['compile_s']:.1f} | "
+                     f"{r.get('floor_ms', float('nan')):.2f} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(table + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"env": env_fields(), "args": vars(args), "rows": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
