@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 reference sweeps behind experiments/results/h200/ (layers cut to fit a 10-minute device call).
-#   bash experiments/h200_sweeps.sh OUTDIR
+#   MOECG_GIT_SHA=$(git rev-parse --short HEAD) bash experiments/h200_sweeps.sh OUTDIR   (sha: the copy has no .git)
 set -u
 OUT=${1:-experiments/results/h200}
 mkdir -p "$OUT"

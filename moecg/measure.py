@@ -9,6 +9,7 @@ Order of work in `run_experiment` (the same for every strategy, so numbers compa
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import statistics
 import subprocess
@@ -60,11 +61,14 @@ def env_fields() -> dict:
 
     import moecg
 
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
-    except Exception:  # noqa: BLE001 - no git is fine
-        sha = None
+    # MOECG_GIT_SHA names the commit where the tree has no .git (e.g. a copy shipped to a GPU machine)
+    sha = os.environ.get("MOECG_GIT_SHA")
+    if not sha:
+        try:
+            sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                 cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+        except Exception:  # noqa: BLE001 - no git is fine
+            sha = None
     return {
         "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
