@@ -13,14 +13,13 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from moecg.capture import Capture, bucket_for
 from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.engine import DecodeEngine
-from moecg.measure import env_fields, floor_bytes, percentile
+from moecg.measure import env_fields, percentile, step_floor_ms, write_report
 from moecg.models import build_model
 
 DEFAULT = [  # label, strategy, layers, dispatch, dispatch kwargs
@@ -91,15 +90,8 @@ def main(argv=None):
             state.reset()
             steps, res = time_generate(engine, prompts, args.new_tokens, args.repeats, args.skip)
             snap = state.snapshot()
-            # the floor counts the experts ONE decode step touches: count a single step
-            engine.prefill(prompts)
-            state.reset()
-            engine.step_impl(engine.ids, engine.rows_for(bs))
-            hits = state.snapshot()["experts_hit_per_layer"]
-            if dispatch == "capacity":
-                hits = [state.num_experts] * len(hits)
-            floor = floor_bytes(model, built.adapter, hits, bs, args.prompt_len + args.new_tokens // 2)
-            floor_ms = floor / (args.bandwidth_gbps * 1e9) * 1e3
+            floor_ms = step_floor_ms(engine, built.adapter, prompts, args.bandwidth_gbps,
+                                     args.prompt_len + args.new_tokens // 2, dispatch == "capacity")
             p50 = statistics.median(steps)
             stats = cap.stats()
             row = {
@@ -130,13 +122,7 @@ def main(argv=None):
                      f"{r['ms_per_token_p90']:.2f} | {sp / r['ms_per_token_p50']:.2f}x | {r['capture_s']:.2f} | "
                      f"{r['graph_mem_mib']:.0f} | {r['floor_ms']:.2f} | {r['floor_ratio']:.1f} | "
                      f"{r['drop_rate']:.3f} | {r['token_agreement_vs_eager']:.3f} |" if sp else "")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(table + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"env": env_fields(), "args": vars(args), "rows": rows}, indent=2))
+    write_report("\n".join(lines), rows, args, args.out, args.json)
     return 0
 
 

@@ -19,15 +19,14 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers import StaticCache
 
 from moecg.capture import Capture, bucket_for
-from moecg.dispatch import attach, detach, make_dispatcher, state_of
+from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
-from moecg.measure import env_fields, floor_bytes
+from moecg.measure import env_fields, step_floor_ms, write_report
 from moecg.models import build_model
 
 
@@ -82,7 +81,8 @@ def compile_ms(model, prompts, new_tokens, repeats, cache_len, mode):
     return statistics.median(steps), compile_s
 
 
-def moecg_ms(model, prompts, new_tokens, repeats, cache_len, strategy, dispatch, kw, buckets, compile_mode=None):
+def moecg_ms(model, adapter, prompts, new_tokens, repeats, cache_len, strategy, dispatch, kw, buckets,
+             compile_mode, bandwidth_gbps, context):
     B = prompts.shape[0]
     rows = max(bucket_for(B, buckets) or B, B)
     attach(model, make_dispatcher(dispatch, **kw), max_rows=rows)
@@ -96,14 +96,9 @@ def moecg_ms(model, prompts, new_tokens, repeats, cache_len, strategy, dispatch,
         steps = []
         for _ in range(repeats):
             steps += engine.generate(prompts, new_tokens).step_ms[2:]
-        # floor: the experts one decode step touches
-        state = state_of(model)
-        engine.prefill(prompts)
-        state.reset()
-        engine.step_impl(engine.ids, engine.rows_for(B))
-        hits = state.snapshot()["experts_hit_per_layer"]
+        floor = step_floor_ms(engine, adapter, prompts, bandwidth_gbps, context, dispatch == "capacity")
         cap.unwrap()
-        return statistics.median(steps), capture_s, cap.stats()["captured"], hits
+        return statistics.median(steps), capture_s, cap.stats()["captured"], floor
     finally:
         detach(model)
         torch._dynamo.reset()
@@ -145,18 +140,17 @@ def main(argv=None):
         row["compile"], row["compile_s"] = compile_ms(model, prompts, args.new_tokens, args.repeats, args.cache_len,
                                                       args.compile_mode)
         torch._dynamo.reset()
-        hits = None
+        context = args.prompt_len + args.new_tokens // 2
         for s in args.strategies:
             name, _, extra = s.partition("+")
             dispatch, kw = ("capacity", {"capacity_factor": 1.25}) if name == "capacity" else ("dropless", {})
             mode = args.moecg_compile_mode if extra == "compile" else None
-            ms, cap_s, captured, h = moecg_ms(model, prompts.cpu(), args.new_tokens, args.repeats,
-                                              args.cache_len, name, dispatch, kw, buckets, mode)
+            ms, cap_s, captured, floor = moecg_ms(model, built.adapter, prompts.cpu(), args.new_tokens, args.repeats,
+                                                  args.cache_len, name, dispatch, kw, buckets, mode,
+                                                  args.bandwidth_gbps, context)
             row[f"moecg:{s}"], row[f"moecg:{s}:capture_s"], row["captured"] = ms, cap_s, captured
-            hits = h if name != "capacity" else hits
-        if hits is not None:
-            fb = floor_bytes(model, built.adapter, hits, bs, args.prompt_len + args.new_tokens // 2)
-            row["floor_ms"] = fb / (args.bandwidth_gbps * 1e9) * 1e3
+            if name != "capacity":  # the dropless floor: only the experts a step routes to
+                row["floor_ms"] = floor
         results.append(row)
         print(json.dumps(row), flush=True)
 
@@ -169,13 +163,7 @@ def main(argv=None):
         cells = [f"{r[c]:.2f} ({r[c] / r['compile']:.2f}x)" for c in cols]
         lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + f" | {r['compile_s']:.1f} | "
                      f"{r.get('floor_ms', float('nan')):.2f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(table + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"env": env_fields(), "args": vars(args), "rows": results}, indent=2))
+    write_report("\n".join(lines), results, args, args.out, args.json)
     return 0
 
 

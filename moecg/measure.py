@@ -9,6 +9,7 @@ Order of work in `run_experiment` (the same for every strategy, so numbers compa
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -113,6 +114,36 @@ def floor_bytes(model, adapter, experts_hit: list[int], rows: int, context: int)
     return float(total)
 
 
+def step_floor_ms(engine, adapter, prompts, bandwidth_gbps: float, context: int, pads_all_experts: bool) -> float:
+    """HBM floor of one decode step: prefill, count which experts ONE step touches, price the bytes it must read.
+
+    `pads_all_experts`: the capacity dispatcher's padded GEMM reads every expert's weights whatever is routed.
+    Leaves the drop counters reset to that one step.
+    """
+    state = state_of(engine.model)
+    B = prompts.shape[0]
+    engine.prefill(prompts)
+    state.reset()
+    engine.ids[:B] = 0
+    rows_run = engine.rows_for(B)
+    state.set_rows(B, rows_run)
+    engine.step_impl(engine.ids, rows_run)
+    hits = state.snapshot()["experts_hit_per_layer"]
+    if pads_all_experts:
+        hits = [state.num_experts] * len(hits)
+    return floor_bytes(engine.model, adapter, hits, B, context) / (float(bandwidth_gbps) * 1e9) * 1e3
+
+
+def write_report(table: str, rows, args, out: str | None, json_path: str | None) -> None:
+    """Print a benchmark's markdown table; optionally write it and the raw rows (with the environment)."""
+    print(table)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(table + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"env": env_fields(), "args": vars(args), "rows": rows}, indent=2))
+
+
 def _timed_generate(engine, prompts, cfg, progress=None):
     """One untimed warm call, then `repeats` timed calls; returns (per-step ms pooled, last result, first result)."""
     m = cfg.measure
@@ -205,21 +236,10 @@ def run_experiment(cfg, progress=None) -> dict:
     steps, (first_res, drops) = _timed_generate(engine, prompts, cfg, progress)
     res = engine.generate(prompts, cfg.new_tokens, keep_logits=keep, timing=False) if ref is not None else None
 
-    # one counted step for the HBM floor: which experts a single decode step actually touches
     state = state_of(model)
-    engine.prefill(prompts)
-    state.reset()
-    engine.ids[:B] = 0
+    floor_ms = step_floor_ms(engine, built.adapter, prompts, m.hbm_bandwidth_gbps,
+                             cfg.prompt_len + cfg.new_tokens // 2, dispatcher.name == "capacity")
     rows_run = engine.rows_for(B)
-    state.set_rows(B, rows_run)
-    engine.step_impl(engine.ids, rows_run)
-    hits = state.snapshot()["experts_hit_per_layer"]
-    if dispatcher.name == "capacity":
-        hits = [state.num_experts] * len(hits)  # the padded GEMM reads every expert's weights
-    context = cfg.prompt_len + cfg.new_tokens // 2
-    fb = floor_bytes(model, built.adapter, hits, B, context)
-    floor_ms = fb / (float(m.hbm_bandwidth_gbps) * 1e9) * 1e3
-    # the floor with only the experts a dropless step needs, for capacity's "price of padding"
     stats = cap.stats()
     p50 = statistics.median(steps) if steps else float("nan")
     eager_p50 = statistics.median(eager_steps) if eager_steps else (p50 if cfg.strategy.name == "eager" else None)
