@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from transformers.integrations.moe import ExpertsInterface
 
-from moecg.dispatch import capacity, dropless, dynamic  # noqa: F401  (register the dispatchers)
+from moecg.dispatch import capacity, dropless, dynamic, fused  # noqa: F401  (register the dispatchers)
 from moecg.dispatch.base import REGISTRY, Dispatcher, check_experts, make_dispatcher
 from moecg.dispatch.capacity import Capacity, capacity_slots
 from moecg.dispatch.state import DispatchState, LayerCounters

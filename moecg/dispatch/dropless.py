@@ -19,6 +19,10 @@ class Dropless(Dispatcher):
     graph_safe = True
 
     def forward(self, experts, hidden, idx, w, valid, counters):
+        return self.unreduced(experts, hidden, idx, w, valid, counters).sum(1).to(hidden.dtype)  # [T, D]
+
+    def unreduced(self, experts, hidden, idx, w, valid, counters):
+        """[T, K, D] fp32 weighted expert outputs (pad rows zero); forward() sums them over K in fp32."""
         T, K = idx.shape
         E = experts.num_experts
         idx_m, counts = route_counts(idx, valid, E)  # [T, K], [E]
@@ -32,7 +36,6 @@ class Dropless(Dispatcher):
         y = torch.where(keep, y.float() * w.reshape(-1)[perm, None].float(), 0.0)  # [S, D] fp32
         out = torch.empty_like(y)
         out[perm] = y  # back to (token, k) order
-        out = out.view(T, K, -1).sum(1)  # [T, D], fp32 accumulation as HF's grouped_mm path
         if counters is not None:
             counters.add_routed(counts, routed_mass(idx_m, w, E), count_valid(valid, T, hidden.device))
-        return out.to(hidden.dtype)
+        return out.view(T, K, -1)  # [T, K, D]; summed in fp32 over K as HF's grouped_mm path

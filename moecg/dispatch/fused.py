@@ -1,0 +1,47 @@
+"""`fused`: dropless, as `dropless`, but at decode sizes one Triton kernel per projection does the routing too.
+
+Dims: T tokens, K top-k, S = T*K assignments, E experts, D hidden, I expert intermediate.
+On CUDA with Triton, for S <= max_assignments, `moecg.kernels.triton_ops.moe_experts` runs: a grid over
+(expert, row block, column block) where each program finds its expert's assignments itself (no sort, no
+prefix sum, no grouped-GEMM offsets), experts nobody picked exit at once, and the drop counters are updated
+inside the kernel. Anything else (CPU, prefill-sized S, no Triton) takes `dropless`'s sort + grouped GEMM, so
+both paths compute the same function and count the same way (tested against each other).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moecg.dispatch.base import register
+from moecg.dispatch.dropless import Dropless
+
+
+@register
+@dataclass
+class Fused(Dropless):
+    name = "fused"
+    graph_safe = True
+    max_assignments: int = 1024  # above this (prefill), the sort + grouped GEMM path is faster
+    kernels: str = "auto"  # auto | triton | torch
+
+    def unreduced(self, experts, hidden, idx, w, valid, counters):
+        if self._use_triton(experts, hidden, idx):
+            from moecg.kernels import triton_ops
+
+            return triton_ops.moe_experts(hidden, idx.contiguous(), w, experts.gate_up_proj, experts.down_proj,
+                                          valid, counters)
+        return super().unreduced(experts, hidden, idx, w, valid, counters)
+
+    def _use_triton(self, experts, hidden, idx) -> bool:
+        if self.kernels == "torch" or idx.numel() > self.max_assignments:
+            return False
+        from moecg.kernels import triton_ok
+
+        ok = triton_ok(hidden.device) and getattr(experts.act_fn, "__name__", type(experts.act_fn).__name__) \
+            in ("silu", "SiLU", "SiLUActivation")
+        if self.kernels == "triton" and not ok:
+            raise RuntimeError("dispatch.kernels=triton: Triton cannot run here (needs CUDA + triton, SiLU experts); "
+                               "use dispatch.kernels=auto")
+        return ok
+
+    def describe(self) -> dict:
+        return {**super().describe(), "dispatch": self.name}

@@ -1,0 +1,237 @@
+"""The fused decode forward (`capture.kernels=fused`): one decode step of an HF MoE model in ~12 kernels a layer.
+
+Dims: T tokens (= rows, one token each), D hidden, Hq/Hkv heads, Dh head dim, L cache slots, E experts, K top-k,
+Is shared-expert intermediate, V vocab.
+A raw CUDA graph of HF's modules replays hundreds of tiny kernels per step (rotary halves, mask building,
+casts, router softmax/topk, sort/offsets for the grouped GEMM, counter updates); Inductor wins by fusing them
+but needs 15-50 s to compile per batch size. This module instead runs the same math in a fixed sequence of
+large kernels, each with a pure-PyTorch reference (`moecg.kernels.ref`) and a Triton version:
+
+  per layer: qkv GEMM (one, with bias) | q/k norm + rotary + KV write | decode attention | o GEMM |
+             residual add + RMSNorm | router (+ shared expert gate/up + its gate) GEMM (one) | softmax-top-k |
+             [shared SiLU-mul | shared down GEMM] | routed experts (dispatcher) | shared gate + residual + next RMSNorm
+
+It reads the HF model's own parameters. To make the qkv and router/shared-expert GEMMs one GEMM each, it moves
+those weights into concatenated buffers and re-points the HF parameters at views of them (no copy kept;
+the HF modules compute exactly what they did). The prefill still runs the HF model (`DecodeEngine.forward`
+uses a decode forward only for one-token steps), on the same cache.
+The routed experts go through the attached moecg dispatcher (counters, masks, capacity all apply); with
+`dispatch=fused` on CUDA they are two Triton kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from moecg.dispatch import state_of
+from moecg.kernels import get_ops, ref
+
+
+class FastPathError(ValueError):
+    pass
+
+
+@dataclass
+class _Layer:
+    in_w: torch.Tensor
+    in_eps: float
+    post_w: torch.Tensor
+    post_eps: float
+    wqkv: torch.Tensor  # [(Hq+2Hkv)*Dh, D] view-backed by the HF q/k/v weights
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    n_q: int
+    n_kv: int
+    head_dim: int
+    scaling: float
+    window: int
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qk_eps: float
+    experts: object | None = None  # HF experts module (routed experts), None: dense layer
+    mlp: object | None = None  # dense MLP module for non-MoE layers
+    wcat: torch.Tensor | None = None  # [2Is (+1) + E, D]: shared gate | shared up | shared gate logit | router
+    r0: int = 0  # router rows in wcat
+    top_k: int = 0
+    norm_topk: bool = False
+    route_dtype: torch.dtype | None = None
+    shared_inter: int = 0
+    shared_gate_col: int | None = None
+    w_sdown: torch.Tensor | None = None
+
+
+def _concat_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Concatenate along dim 0 and re-point each parameter at its slice (no copy kept)."""
+    if len(params) == 1:
+        return params[0].data
+    cat = torch.cat([p.data for p in params], dim=0)
+    o = 0
+    for p in params:
+        n = p.shape[0]
+        p.data = cat[o: o + n]
+        o += n
+    return cat
+
+
+def _eps(norm) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def check_supported(model) -> None:
+    """Raise FastPathError (before any CUDA work) if the fused decode forward cannot run this model."""
+    from moecg.models.adapter import adapter_for
+
+    cfg = model.config
+    try:
+        ad = adapter_for(model)
+    except Exception as e:  # noqa: BLE001
+        raise FastPathError(f"capture.kernels=fused supports Mixtral, Qwen2-MoE and Qwen3-MoE models: {e}") from e
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise FastPathError(f"capture.kernels=fused needs SiLU experts (hidden_act={cfg.hidden_act}); "
+                            "use capture.kernels=hf")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rtype not in ("default", None):
+        raise FastPathError(f"capture.kernels=fused supports default rotary embeddings (rope_type={rtype}); "
+                            "use capture.kernels=hf")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim & (head_dim - 1):
+        raise FastPathError(f"capture.kernels=fused needs a power-of-two head_dim (got {head_dim})")
+    for layer in ad.layers(model):
+        if ad.moe_block(layer) is not None and getattr(ad.experts_of(layer), "has_bias", False):
+            raise FastPathError("capture.kernels=fused: experts with bias are not supported; use capture.kernels=hf")
+
+
+class FastDecode:
+    """Callable with the model forward's decode signature: (input_ids [B,1], cache, ...) -> .logits [B, 1, V]."""
+
+    def __init__(self, model, backend: str = "auto"):
+        check_supported(model)
+        from moecg.models.adapter import adapter_for
+
+        self.model = model
+        self.adapter = ad = adapter_for(model)
+        self.family = ad.family
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.ops = get_ops(backend, self.device)
+        self.backend = "triton" if self.ops is not ref else "torch"
+        cfg = model.config
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.norm_w, self.norm_eps = inner.norm.weight, _eps(inner.norm)
+        self.lm_head = model.lm_head.weight
+        self.rotary = inner.rotary_emb
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        types = getattr(cfg, "layer_types", None)
+        self.layers: list[_Layer] = []
+        for i, layer in enumerate(ad.layers(model)):
+            at = getattr(layer, ad.attn)
+            window = 0
+            if types is not None and types[i] == "sliding_attention":
+                window = int(getattr(at, "sliding_window", None) or getattr(cfg, "sliding_window", 0) or 0)
+            qkv = [at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]
+            bias = [at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]
+            n_q = at.q_proj.weight.shape[0] // at.head_dim
+            n_kv = at.k_proj.weight.shape[0] // at.head_dim
+            L = _Layer(
+                in_w=getattr(layer, ad.input_norm).weight, in_eps=_eps(getattr(layer, ad.input_norm)),
+                post_w=getattr(layer, ad.post_norm).weight, post_eps=_eps(getattr(layer, ad.post_norm)),
+                wqkv=_concat_params(qkv),
+                bqkv=_concat_params(bias) if all(b is not None for b in bias) else None,
+                wo=at.o_proj.weight, n_q=n_q, n_kv=n_kv, head_dim=at.head_dim, scaling=float(at.scaling),
+                window=window,
+                q_norm=at.q_norm.weight if hasattr(at, "q_norm") else None,
+                k_norm=at.k_norm.weight if hasattr(at, "k_norm") else None,
+                qk_eps=_eps(at.q_norm) if hasattr(at, "q_norm") else 1e-6,
+            )
+            if getattr(at.o_proj, "bias", None) is not None:
+                raise FastPathError("capture.kernels=fused: o_proj with bias is not supported")
+            block = ad.moe_block(layer)
+            if block is None:
+                L.mlp = getattr(layer, ad.moe)
+            else:
+                router = getattr(block, ad.router)
+                L.experts = getattr(block, ad.experts)
+                L.top_k = int(router.top_k)
+                L.norm_topk = bool(getattr(router, "norm_topk_prob", True))
+                # Mixtral's router keeps fp32 weights; the Qwen routers cast them to the logits' dtype
+                L.route_dtype = torch.float32 if self.family == "mixtral" else self.dtype
+                rows = []
+                shared = ad.shared_expert_of(layer)
+                if shared is not None:
+                    L.shared_inter = shared.gate_proj.weight.shape[0]
+                    rows += [shared.gate_proj.weight, shared.up_proj.weight]
+                    L.w_sdown = shared.down_proj.weight
+                    sg = getattr(block, ad.shared_expert_gate) if ad.shared_expert_gate else None
+                    if sg is not None:
+                        L.shared_gate_col = 2 * L.shared_inter
+                        rows.append(sg.weight)
+                L.r0 = sum(r.shape[0] for r in rows)
+                rows.append(router.weight)
+                L.wcat = _concat_params(rows)
+            self.layers.append(L)
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _rope_tables(self, length: int):
+        if length not in self._tables:
+            x = torch.zeros(1, 1, dtype=self.dtype, device=self.device)
+            pos = torch.arange(length, device=self.device)[None]
+            with torch.no_grad():
+                cos, sin = self.rotary(x, pos)  # [1, L, Dh] model dtype, exactly HF's values
+            self._tables[length] = (cos[0].contiguous(), sin[0].contiguous())
+        return self._tables[length]
+
+    def _experts(self, L: _Layer, h, idx, w, valid, state, slot: int):
+        counters = state.layer(slot) if state is not None else None
+        disp = state.dispatcher if state is not None else None
+        if disp is None:
+            return ref.moe_experts(h, idx, w, L.experts.gate_up_proj, L.experts.down_proj, valid, counters)
+        if hasattr(disp, "unreduced"):
+            return disp.unreduced(L.experts, h, idx, w, valid, counters)  # [T, K, D] fp32
+        return disp.forward(L.experts, h, idx, w, valid, counters)[:, None]  # [T, 1, D]
+
+    # -- the step --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, input_ids, cache, use_cache: bool = True, logits_to_keep: int = 1, **_):
+        ops = self.ops
+        T = input_ids.shape[0]
+        if input_ids.shape[1] != 1:
+            raise ValueError("FastDecode runs decode steps (one token per row); the prefill runs the HF model")
+        clayers = cache.layers
+        pos = clayers[0].cumulative_length  # device scalar: every layer is at the same position
+        cos, sin = self._rope_tables(clayers[0].keys.shape[2])
+        state = state_of(self.model)
+        valid = state.token_valid(T) if state is not None else None
+        x = F.embedding(input_ids[:, 0], self.embed)  # [T, D]
+        res, h = ops.add_rmsnorm(x[:, None], None, self.layers[0].in_w, self.layers[0].in_eps)
+        slot = 0
+        n = len(self.layers)
+        for i, L in enumerate(self.layers):
+            qkv = F.linear(h, L.wqkv, L.bqkv)  # [T, (Hq+2Hkv)*Dh]
+            q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
+                               L.head_dim, L.q_norm, L.k_norm, L.qk_eps)  # [T, Hq, Dh]
+            o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window)  # [T, Hq*Dh]
+            a = F.linear(o, L.wo)  # [T, D]
+            res, h = ops.add_rmsnorm(a[:, None], res, L.post_w, L.post_eps)
+            nw, neps = (self.layers[i + 1].in_w, self.layers[i + 1].in_eps) if i + 1 < n else (self.norm_w,
+                                                                                               self.norm_eps)
+            if L.experts is None:
+                res, h = ops.add_rmsnorm(L.mlp(h)[:, None], res, nw, neps)
+                continue
+            z = F.linear(h, L.wcat)  # [T, 2Is (+1) + E]
+            route = ops.route if (L.top_k & (L.top_k - 1)) == 0 else ref.route
+            idx, w = route(z[:, L.r0:], L.top_k, L.norm_topk, L.route_dtype)  # [T, K], [T, K]
+            shared = gate = None
+            if L.shared_inter:
+                shared = F.linear(ops.silu_mul(z, L.shared_inter), L.w_sdown)  # [T, D]
+                gate = z[:, L.shared_gate_col] if L.shared_gate_col is not None else None  # [T]
+            y = self._experts(L, h, idx, w, valid, state, slot)  # [T, K or 1, D]
+            slot += 1
+            res, h = ops.add_rmsnorm(y, res, nw, neps, shared, gate)
+        logits = F.linear(h, self.lm_head)  # [T, V]
+        torch._foreach_add_([c.cumulative_length for c in clayers], 1)
+        return SimpleNamespace(logits=logits[:, None, :])
