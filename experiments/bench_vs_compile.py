@@ -9,7 +9,10 @@ Rows, all greedy, ms per decode step (prefill excluded), same prompts, same max 
   compile          HF StaticCache + torch.compile(model.forward, mode=--compile-mode, fullgraph=True),
                    experts_implementation=grouped_mm; compile time = the first decode calls until steady
   moecg:<strategy> moecg's engine with dispatch=dropless (capacity: dispatch=capacity cf 1.25); `full+compile`:
-                   the decode forward Inductor-compiled without its own cudagraphs, then captured by moecg
+                   the decode forward Inductor-compiled without its own cudagraphs, then captured by moecg;
+                   `full+fused`: capture.kernels=fused + dispatch=fused (moecg.fast's Triton decode step)
+                   capture_s: every bucket 1..64 captured (the engine holds 64 rows), JIT compiles included
+                   agree: greedy-token agreement with HF's modules run eagerly (dropless), same prompts
 Timing: CUDA events per step after warmup, median over steps of --repeats generates (perf_counter on CPU).
 """
 from __future__ import annotations
@@ -81,24 +84,34 @@ def compile_ms(model, prompts, new_tokens, repeats, cache_len, mode):
     return statistics.median(steps), compile_s
 
 
+def reference_tokens(model, prompts, new_tokens, cache_len):
+    """Greedy tokens of HF's own modules, eager, dropless dispatch: what every dropless row must reproduce."""
+    attach(model, make_dispatcher("dropless"), max_rows=prompts.shape[0])
+    try:
+        return DecodeEngine(model, cache_len, prompts.shape[0]).generate(prompts, new_tokens, timing=False).tokens
+    finally:
+        detach(model)
+
+
 def moecg_ms(model, adapter, prompts, new_tokens, repeats, cache_len, strategy, dispatch, kw, buckets,
-             compile_mode, bandwidth_gbps, context):
+             compile_mode, bandwidth_gbps, context, kernels="hf", ref_tokens=None):
     B = prompts.shape[0]
-    rows = max(bucket_for(B, buckets) or B, B)
+    rows = max(max(buckets), B)  # every bucket gets captured: capture_s is the all-buckets cost
     attach(model, make_dispatcher(dispatch, **kw), max_rows=rows)
     try:
         engine = DecodeEngine(model, cache_len, rows)
         t0 = time.perf_counter()
         cap = Capture(engine, strategy, buckets=buckets, compile=compile_mode is not None,
-                      compile_mode=compile_mode or "default").apply()
+                      compile_mode=compile_mode or "default", kernels=kernels).apply()
         capture_s = time.perf_counter() - t0
-        engine.generate(prompts, new_tokens, timing=False)
+        first = engine.generate(prompts, new_tokens, timing=False)
+        agree = float((first.tokens == ref_tokens).float().mean()) if ref_tokens is not None else None
         steps = []
         for _ in range(repeats):
             steps += engine.generate(prompts, new_tokens).step_ms[2:]
         floor = step_floor_ms(engine, adapter, prompts, bandwidth_gbps, context, dispatch == "capacity")
         cap.unwrap()
-        return statistics.median(steps), capture_s, cap.stats()["captured"], floor
+        return statistics.median(steps), capture_s, cap.stats()["captured"], floor, agree
     finally:
         detach(model)
         torch._dynamo.reset()
@@ -114,10 +127,12 @@ def main(argv=None):
     ap.add_argument("--cache-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile-mode", default="reduce-overhead")
-    ap.add_argument("--strategies", nargs="+", default=["partial", "layer", "full", "capacity", "full+compile"],
-                    help="moecg strategies; a '+compile' suffix Inductor-compiles the captured pieces first")
+    ap.add_argument("--strategies", nargs="+", default=["partial", "full", "capacity", "full+fused", "capacity+fused"],
+                    help="moecg strategies; '+compile' Inductor-compiles the captured pieces first, '+fused' runs "
+                         "capture.kernels=fused (with dispatch=fused unless capacity)")
     ap.add_argument("--moecg-compile-mode", default="max-autotune-no-cudagraphs")
     ap.add_argument("--skip-hf-generate", action="store_true")
+    ap.add_argument("--skip-compile", action="store_true", help="leave the torch.compile baseline out (ratios: nan)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--bandwidth-gbps", type=float, default=4300)
     ap.add_argument("--out", default=None)
@@ -137,18 +152,27 @@ def main(argv=None):
         model.set_experts_implementation("grouped_mm")
         if not args.skip_hf_generate:
             row["hf_generate"] = hf_generate_ms(model, prompts, args.new_tokens, args.repeats)
-        row["compile"], row["compile_s"] = compile_ms(model, prompts, args.new_tokens, args.repeats, args.cache_len,
-                                                      args.compile_mode)
+        ref_tokens = reference_tokens(model, prompts.cpu(), args.new_tokens, args.cache_len)
+        row["compile"], row["compile_s"] = (float("nan"), float("nan")) if args.skip_compile else compile_ms(
+            model, prompts, args.new_tokens, args.repeats, args.cache_len, args.compile_mode)
         torch._dynamo.reset()
         context = args.prompt_len + args.new_tokens // 2
         for s in args.strategies:
             name, _, extra = s.partition("+")
             dispatch, kw = ("capacity", {"capacity_factor": 1.25}) if name == "capacity" else ("dropless", {})
+            if extra == "fused" and name != "capacity":
+                dispatch = "fused"
             mode = args.moecg_compile_mode if extra == "compile" else None
-            ms, cap_s, captured, floor = moecg_ms(model, built.adapter, prompts.cpu(), args.new_tokens, args.repeats,
-                                                  args.cache_len, name, dispatch, kw, buckets, mode,
-                                                  args.bandwidth_gbps, context)
+            try:
+                ms, cap_s, captured, floor, agree = moecg_ms(
+                    model, built.adapter, prompts.cpu(), args.new_tokens, args.repeats, args.cache_len, name,
+                    dispatch, kw, buckets, mode, args.bandwidth_gbps, context,
+                    kernels="fused" if extra == "fused" else "hf", ref_tokens=ref_tokens)
+            except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
+                print(f"moecg:{s} failed: {type(e).__name__}: {e}", flush=True)
+                ms, cap_s, captured, floor, agree = float("nan"), float("nan"), False, float("nan"), None
             row[f"moecg:{s}"], row[f"moecg:{s}:capture_s"], row["captured"] = ms, cap_s, captured
+            row[f"moecg:{s}:agree"] = agree
             if name != "capacity":  # the dropless floor: only the experts a step routes to
                 row["floor_ms"] = floor
         results.append(row)
@@ -163,6 +187,20 @@ def main(argv=None):
         cells = [f"{r[c]:.2f} ({r[c] / r['compile']:.2f}x)" for c in cols]
         lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + f" | {r['compile_s']:.1f} | "
                      f"{r.get('floor_ms', float('nan')):.2f} |")
+    lines += ["", "moecg capture time for all buckets 1-64 (s) / greedy agreement with HF eager:", "",
+              "| bs | " + " | ".join(f"moecg:{s}" for s in args.strategies) + " |",
+              "|---|" + "---|" * len(args.strategies)]
+    for r in results:
+        cells = []
+        for s in args.strategies:
+            a = r.get(f"moecg:{s}:agree")
+            cells.append(f"{r[f'moecg:{s}:capture_s']:.1f} s / " + (f"{a:.3f}" if a is not None else "-"))
+        lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
+    best = {r["batch_size"]: min((r[c], c) for c in cols if c.startswith("moecg:") and r[c] == r[c]) for r in results}
+    lines += ["", "best moecg per batch: " + ", ".join(f"bs {b}: {c} {ms:.2f} ms = {ms / r['compile']:.2f}x compile"
+                                                  + (f", {ms / r['floor_ms']:.2f}x floor" if r.get("floor_ms") else "")
+                                                  for r in results for b, (ms, c) in [(r["batch_size"],
+                                                                                        best[r["batch_size"]])])]
     write_report("\n".join(lines), results, args, args.out, args.json)
     return 0
 

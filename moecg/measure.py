@@ -230,7 +230,9 @@ def run_experiment(cfg, progress=None) -> dict:
         cap = Capture(engine, cfg.strategy.name, layers=cfg.strategy.get("layers"), buckets=buckets,
                       backend=cfg.capture.backend, warmup=int(cfg.capture.warmup),
                       compile=bool(cfg.capture.get("compile", False)),
-                      compile_mode=cfg.capture.get("compile_mode", "default")).apply()
+                      compile_mode=cfg.capture.get("compile_mode", "default"),
+                      kernels=cfg.capture.get("kernels", "hf"),
+                      kernel_backend=cfg.capture.get("kernel_backend", "auto")).apply()
     for w in caught:
         print(f"warning: {w.message}")
     steps, (first_res, drops) = _timed_generate(engine, prompts, cfg, progress)
@@ -256,6 +258,7 @@ def run_experiment(cfg, progress=None) -> dict:
         "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "max_cache_len": max_cache_len,
         "seed": int(cfg.seed), "prompts": cfg.get("prompts", "random"),
         "captured": stats["captured"], "capture_backend": stats["capture_backend"], "compiled": stats["compiled"],
+        "kernels": stats["kernels"], "kernel_backend": stats["kernel_backend"],
         "ms_per_token_p50": p50, "ms_per_token_p90": percentile(steps, 0.9),
         "tokens_per_s": B * 1e3 / p50 if p50 == p50 and p50 > 0 else None,
         "step_ms": first_res.step_ms,

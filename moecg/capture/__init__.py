@@ -30,6 +30,9 @@ _FIXES = (
 )
 
 
+KERNELS = ("hf", "fused")
+
+
 class CaptureError(RuntimeError):
     pass
 
@@ -37,7 +40,7 @@ class CaptureError(RuntimeError):
 class Capture:
     def __init__(self, engine, strategy: str = "eager", *, layers: str | None = None, buckets=DEFAULT_BUCKETS,
                  backend: str = "auto", warmup: int = 3, compile: bool = False,
-                 compile_mode: str = "default"):
+                 compile_mode: str = "default", kernels: str = "hf", kernel_backend: str = "auto"):
         self.engine = engine
         model = engine.model
         self.adapter = _adapter(model)
@@ -58,6 +61,22 @@ class Capture:
             raise StrategyError(f"capture.compile_mode={compile_mode!r}: use default or max-autotune-no-cudagraphs "
                                 "(reduce-overhead and max-autotune add Inductor's own CUDA graphs; moecg captures "
                                 "the compiled code itself)")
+        # kernels=fused: decode steps run moecg.fast.FastDecode (fused kernels) instead of HF's modules
+        if kernels not in KERNELS:
+            raise StrategyError(f"capture.kernels={kernels!r}: choose one of {KERNELS}")
+        self.kernels = kernels
+        self.fast = None
+        if kernels == "fused":
+            if self.spec.scope not in ("step", "eager"):
+                raise StrategyError(f"capture.kernels=fused replaces the whole decoder stack at decode, so it combines "
+                                    f"with strategy=full, capacity or eager, not strategy={strategy} (per-layer "
+                                    "graphs wrap HF's decoder layers): use capture.kernels=hf for that strategy")
+            if self.compile:
+                raise StrategyError("capture.kernels=fused and capture.compile=true exclude each other: pick one")
+            from moecg.fast import FastDecode, check_supported
+
+            check_supported(model)  # before any CUDA work
+            self.fast = FastDecode(model, kernel_backend)
         self.layer_graphs: LayerGraphs | None = None
         self._warned_big = False
         self.applied = False
@@ -87,6 +106,8 @@ class Capture:
         if self.applied:
             return self
         eng = self.engine
+        if self.fast is not None:
+            eng.decode_forward = self.fast
         if self.runner is None:  # eager strategy, or no CUDA
             self.applied = True
             return self
@@ -173,6 +194,8 @@ class Capture:
             "layer_scopes": self.scopes,
             "layer_fallbacks": self.layer_graphs.fallbacks if self.layer_graphs else 0,
             "compiled": self.compile and self.runner is not None,
+            "kernels": self.kernels,
+            "kernel_backend": self.fast.backend if self.fast is not None else None,
         }
 
 
