@@ -54,24 +54,29 @@ def hf_generate_ms(model, prompts, new_tokens, repeats):
     return (full - one) / (new_tokens - 1) * 1e3
 
 
-def compile_ms(model, prompts, new_tokens, repeats, cache_len, mode):
+def compile_ms(model, prompts, new_tokens, repeats, cache_len, mode, ref=None):
     """HF's recipe: StaticCache + compiled forward for decode, eager prefill. Returns (ms/step, compile s)."""
     dev = next(model.parameters()).device
     torch._dynamo.reset()
     fwd = torch.compile(model.forward, mode=mode, fullgraph=True)
-    def generate():
+    def generate(force=None):
         cache = StaticCache(config=model.config, max_cache_len=cache_len)
         with torch.no_grad():
             logits = model(input_ids=prompts, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
             ids = logits.argmax(-1)[:, None]
+            toks = [ids]
             times = []
-            for _ in range(new_tokens - 1):
+            for t in range(1, new_tokens):
+                if force is not None:
+                    ids = force[:, t - 1: t].to(dev)
                 sync(dev)
-                t = time.perf_counter()
+                t0 = time.perf_counter()
                 out = fwd(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
                 ids = out.logits[:, -1].argmax(-1)[:, None].clone()
                 sync(dev)
-                times.append((time.perf_counter() - t) * 1e3)
+                times.append((time.perf_counter() - t0) * 1e3)
+                toks.append(ids)
+        generate.tokens = torch.cat(toks, 1)
         return times
 
     t0 = time.perf_counter()
@@ -81,16 +86,31 @@ def compile_ms(model, prompts, new_tokens, repeats, cache_len, mode):
     steps = []
     for _ in range(repeats):
         steps += generate()[2:]
-    return statistics.median(steps), compile_s
+    free = generate.tokens
+    generate(force=ref[0] if ref is not None else None)
+    fid = fidelity(free, generate.tokens, ref) if ref is not None else None
+    return statistics.median(steps), compile_s, fid
 
 
 def reference_tokens(model, prompts, new_tokens, cache_len):
-    """Greedy tokens of HF's own modules, eager, dropless dispatch: what every dropless row must reproduce."""
+    """Greedy tokens of HF's own modules, eager, dropless dispatch, and eager's top-1 minus top-2 logit margin
+    at every step ([n, new_tokens] each): what every dropless run is compared with."""
     attach(model, make_dispatcher("dropless"), max_rows=prompts.shape[0])
     try:
-        return DecodeEngine(model, cache_len, prompts.shape[0]).generate(prompts, new_tokens, timing=False).tokens
+        r = DecodeEngine(model, cache_len, prompts.shape[0]).generate(prompts, new_tokens, timing=False,
+                                                                      keep_logits=True)
+        margins = torch.stack([(lambda v: v[:, 0] - v[:, 1])(lg.topk(2, dim=-1).values) for lg in r.logits], 1)
+        return r.tokens, margins
     finally:
         detach(model)
+
+
+def fidelity(tokens, forced, ref):
+    """(free-running agreement, teacher-forced agreement, largest eager top-2 margin where forced disagrees)."""
+    ref_tokens, margins = ref
+    free = float((tokens.cpu() == ref_tokens).float().mean())
+    miss = forced.cpu() != ref_tokens
+    return free, float((~miss).float().mean()), float(margins[miss].max()) if miss.any() else 0.0
 
 
 def moecg_ms(model, adapter, prompts, new_tokens, repeats, cache_len, strategy, dispatch, kw, buckets,
@@ -105,7 +125,10 @@ def moecg_ms(model, adapter, prompts, new_tokens, repeats, cache_len, strategy, 
                       compile_mode=compile_mode or "default", kernels=kernels).apply()
         capture_s = time.perf_counter() - t0
         first = engine.generate(prompts, new_tokens, timing=False)
-        agree = float((first.tokens == ref_tokens).float().mean()) if ref_tokens is not None else None
+        agree = None
+        if ref_tokens is not None:
+            forced = engine.generate(prompts, new_tokens, timing=False, force_tokens=ref_tokens[0])
+            agree = fidelity(first.tokens, forced.tokens, ref_tokens)
         steps = []
         for _ in range(repeats):
             steps += engine.generate(prompts, new_tokens).step_ms[2:]
@@ -153,8 +176,9 @@ def main(argv=None):
         if not args.skip_hf_generate:
             row["hf_generate"] = hf_generate_ms(model, prompts, args.new_tokens, args.repeats)
         ref_tokens = reference_tokens(model, prompts.cpu(), args.new_tokens, args.cache_len)
-        row["compile"], row["compile_s"] = (float("nan"), float("nan")) if args.skip_compile else compile_ms(
-            model, prompts, args.new_tokens, args.repeats, args.cache_len, args.compile_mode)
+        row["compile"], row["compile_s"], row["compile:agree"] = (float("nan"), float("nan"), None) \
+            if args.skip_compile else compile_ms(model, prompts, args.new_tokens, args.repeats, args.cache_len,
+                                                 args.compile_mode, ref_tokens)
         torch._dynamo.reset()
         context = args.prompt_len + args.new_tokens // 2
         for s in args.strategies:
@@ -187,14 +211,18 @@ def main(argv=None):
         cells = [f"{r[c]:.2f} ({r[c] / r['compile']:.2f}x)" for c in cols]
         lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + f" | {r['compile_s']:.1f} | "
                      f"{r.get('floor_ms', float('nan')):.2f} |")
-    lines += ["", "moecg capture time for all buckets 1-64 (s) / greedy agreement with HF eager:", "",
-              "| bs | " + " | ".join(f"moecg:{s}" for s in args.strategies) + " |",
-              "|---|" + "---|" * len(args.strategies)]
+    lines += ["", "capture time for all buckets 1-64 (s; compile: its first two generates at this batch size) | "
+              "greedy agreement with HF eager, free-running / teacher-forced | largest eager top-1 minus top-2 "
+              "logit margin among the teacher-forced disagreements:", "",
+              "| bs | compile | " + " | ".join(f"moecg:{s}" for s in args.strategies) + " |",
+              "|---|---|" + "---|" * len(args.strategies)]
+
+    def cell(t, a):
+        return f"{t:.1f} s \\| " + (f"{a[0]:.3f} / {a[1]:.3f} \\| {a[2]:.3f}" if a else "-")
+
     for r in results:
-        cells = []
-        for s in args.strategies:
-            a = r.get(f"moecg:{s}:agree")
-            cells.append(f"{r[f'moecg:{s}:capture_s']:.1f} s / " + (f"{a:.3f}" if a is not None else "-"))
+        cells = [cell(r["compile_s"], r.get("compile:agree"))]
+        cells += [cell(r[f"moecg:{s}:capture_s"], r.get(f"moecg:{s}:agree")) for s in args.strategies]
         lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
     best = {r["batch_size"]: min((r[c], c) for c in cols if c.startswith("moecg:") and r[c] == r[c]) for r in results}
     lines += ["", "best moecg per batch: " + ", ".join(f"bs {b}: {c} {ms:.2f} ms = {ms / r['compile']:.2f}x compile"

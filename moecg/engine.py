@@ -163,8 +163,12 @@ class DecodeEngine:
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, new_tokens: int, lengths: list[int] | None = None,
                  keep_logits: bool | int = False, timing: bool = True, progress=None,
-                 count_prefill: bool = True) -> GenerateResult:
+                 count_prefill: bool = True, force_tokens: torch.Tensor | None = None) -> GenerateResult:
         """Greedy decode `new_tokens` per row (row i stops after lengths[i] tokens, then leaves the batch).
+
+        force_tokens [n, new_tokens]: teacher forcing. Each step's input is the forced token, not this run's
+        argmax (which is still what `tokens` records), so two implementations can be compared step by step
+        without one early disagreement making every later token differ.
 
         keep_logits: True keeps every row's logits per step, an int k the first k slots' (memory: V floats each).
         count_prefill: False keeps the prefill out of the drop counters (decode-only drop rates).
@@ -176,6 +180,10 @@ class DecodeEngine:
         if new_tokens < 1:
             raise ValueError(f"new_tokens={new_tokens}: must be >= 1")
         self.check_fits(S, new_tokens)
+        if force_tokens is not None:
+            if tuple(force_tokens.shape) != (n, new_tokens) or lengths is not None:
+                raise ValueError(f"force_tokens must be [{n}, {new_tokens}] (one row per prompt) and takes no lengths")
+            force_tokens = force_tokens.to(self.device)
         lengths = list(lengths) if lengths is not None else [new_tokens] * n
         if len(lengths) != n or any(not 1 <= x <= new_tokens for x in lengths):
             raise ValueError(f"lengths must give 1..{new_tokens} tokens for each of the {n} rows")
@@ -199,7 +207,7 @@ class DecodeEngine:
         order_host = list(range(n))
         logits_log = [first_logits[:keep].to("cpu", torch.float32, copy=True)] if keep else None
         rows_log = [torch.arange(n)[:keep]] if keep else None
-        self.ids[:n] = first
+        self.ids[:n] = first if force_tokens is None else force_tokens[:, 0]
         step_ms, step_rows, events = [], [], []
         for t in range(1, new_tokens):
             # requests that reached their length leave; survivors move to the front (no re-capture needed)
@@ -225,7 +233,7 @@ class DecodeEngine:
             elif timing:
                 step_ms.append((time.perf_counter() - ts) * 1e3)
             out[order, t] = nxt[:m]
-            self.ids[:m] = nxt[:m]
+            self.ids[:m] = nxt[:m] if force_tokens is None else force_tokens[order, t]
             step_rows.append(rows)
             if keep:
                 logits_log.append(logits[: min(m, keep)].to("cpu", torch.float32, copy=True))

@@ -54,7 +54,8 @@ class _Layer:
     experts: object | None = None  # HF experts module (routed experts), None: dense layer
     mlp: object | None = None  # dense MLP module for non-MoE layers
     wcat: torch.Tensor | None = None  # [2Is (+1) + E, D]: shared gate | shared up | shared gate logit | router
-    r0: int = 0  # router rows in wcat
+    r0: int = 0  # router rows in wcat: [r0, r0 + n_experts)
+    n_experts: int = 0
     top_k: int = 0
     norm_topk: bool = False
     route_dtype: torch.dtype | None = None
@@ -63,11 +64,20 @@ class _Layer:
     w_sdown: torch.Tensor | None = None
 
 
-def _concat_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Concatenate along dim 0 and re-point each parameter at its slice (no copy kept)."""
-    if len(params) == 1:
+def _concat_params(params: list[torch.nn.Parameter], align: int = 1) -> torch.Tensor:
+    """Concatenate along dim 0 and re-point each parameter at its slice (no copy kept).
+
+    align: pad the rows to a multiple (zero rows at the end), so a GEMM's output rows stay 16-byte aligned;
+    an odd row count (e.g. 2*5632 + 1 + 60) sends cuBLAS to a slow unaligned kernel.
+    """
+    rows = sum(p.shape[0] for p in params)
+    pad = -rows % align
+    if len(params) == 1 and not pad:
         return params[0].data
-    cat = torch.cat([p.data for p in params], dim=0)
+    parts = [p.data for p in params]
+    if pad:
+        parts.append(parts[0].new_zeros(pad, *parts[0].shape[1:]))
+    cat = torch.cat(parts, dim=0)
     o = 0
     for p in params:
         n = p.shape[0]
@@ -171,8 +181,9 @@ class FastDecode:
                         L.shared_gate_col = 2 * L.shared_inter
                         rows.append(sg.weight)
                 L.r0 = sum(r.shape[0] for r in rows)
+                L.n_experts = router.weight.shape[0]
                 rows.append(router.weight)
-                L.wcat = _concat_params(rows)
+                L.wcat = _concat_params(rows, align=8)
             self.layers.append(L)
 
     # -- helpers ---------------------------------------------------------------------------------------
@@ -224,7 +235,7 @@ class FastDecode:
                 continue
             z = F.linear(h, L.wcat)  # [T, 2Is (+1) + E]
             route = ops.route if (L.top_k & (L.top_k - 1)) == 0 else ref.route
-            idx, w = route(z[:, L.r0:], L.top_k, L.norm_topk, L.route_dtype)  # [T, K], [T, K]
+            idx, w = route(z[:, L.r0: L.r0 + L.n_experts], L.top_k, L.norm_topk, L.route_dtype)  # [T, K], [T, K]
             shared = gate = None
             if L.shared_inter:
                 shared = F.linear(ops.silu_mul(z, L.shared_inter), L.w_sdown)  # [T, D]

@@ -237,6 +237,8 @@ def run_experiment(cfg, progress=None) -> dict:
         print(f"warning: {w.message}")
     steps, (first_res, drops) = _timed_generate(engine, prompts, cfg, progress)
     res = engine.generate(prompts, cfg.new_tokens, keep_logits=keep, timing=False) if ref is not None else None
+    forced = engine.generate(prompts, cfg.new_tokens, timing=False, force_tokens=ref.tokens) \
+        if ref is not None else None
 
     state = state_of(model)
     floor_ms = step_floor_ms(engine, built.adapter, prompts, m.hbm_bandwidth_gbps,
@@ -281,8 +283,11 @@ def run_experiment(cfg, progress=None) -> dict:
     if ref is not None:
         agree, diff = _fidelity(ref, res, keep)
         out["token_agreement_vs_eager"], out["max_logit_diff_vs_eager"] = agree, diff
+        # teacher-forced: every step gets eager's tokens as input, so one early flip does not fail every later one
+        out["token_agreement_forced_vs_eager"] = (ref.tokens == forced.tokens).float().mean().item()
     else:
         out["token_agreement_vs_eager"], out["max_logit_diff_vs_eager"] = None, None
+        out["token_agreement_forced_vs_eager"] = None
     out.update(_quality(cfg, model, dispatcher))
     out.update(env_fields())
     cap.unwrap()
