@@ -4,7 +4,8 @@
   python experiments/bench_vs_compile.py --preset mixtral_tiny --device cpu --batch 1 --compile-mode default  # smoke
 
 Rows, all greedy, ms per decode step (prefill excluded), same prompts, same max cache length:
-  hf_generate      `model.generate()` with its defaults (DynamicCache, HF's default experts implementation);
+  hf_generate      `model.generate()` with its defaults (DynamicCache; experts_implementation grouped_mm, which
+                   is what transformers 5.24 picks for these models by default);
                    per step = (t(N new tokens) - t(1 new token)) / (N - 1)
   compile          HF StaticCache + torch.compile(model.forward, mode=--compile-mode, fullgraph=True),
                    experts_implementation=grouped_mm; compile time = the first decode calls until steady

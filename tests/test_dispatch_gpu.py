@@ -129,6 +129,7 @@ def test_graph_replay_follows_row_mask(built, label):
     T = 8
     state = attach(model, make_dispatcher(name, **kw), max_rows=T)
     try:
+        state.mask_in_graphs = True  # as Capture sets it: one graph serves every real-row count of its bucket
         state.set_rows(T, T)  # captured with a mask tensor in the graph (all rows real)
         static = [t.clone() for t in routing(built, T, seed=4)]
         g, static_out = capture(experts, static)
