@@ -16,7 +16,8 @@ from moecg.logger import make_logger
 TABLE_FIELDS = ["model", "strategy", "dispatch", "capacity_factor", "batch_size", "bucket", "captured",
                 "ms_per_token_p50", "ms_per_token_p90", "tokens_per_s", "eager_ms_per_token_p50", "speedup_vs_eager",
                 "capture_s", "graph_mem_mib", "floor_ms", "floor_ratio", "drop_rate", "dropped_prob_mass",
-                "expert_load_imbalance", "token_agreement_vs_eager", "max_logit_diff_vs_eager", "heldout_bpb",
+                "expert_load_imbalance", "token_agreement_vs_eager", "token_agreement_forced_vs_eager",
+                "max_logit_diff_vs_eager", "heldout_bpb",
                 "heldout_bpb_delta_vs_dropless"]
 
 
