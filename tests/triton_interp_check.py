@@ -1,0 +1,90 @@
+"""Run by tests/test_fast.py under TRITON_INTERPRET=1: the Triton ops on CPU tensors (fp32) against the references.
+
+Prints ALL OK when every check passes; any mismatch raises. Kept out of pytest collection (no test_ prefix)
+because TRITON_INTERPRET must be set before triton is imported.
+"""
+import os
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
+from moecg.dispatch.state import LayerCounters  # noqa: E402
+from moecg.engine import DecodeEngine  # noqa: E402
+from moecg.fast import FastDecode  # noqa: E402
+from moecg.kernels import ref  # noqa: E402
+from moecg.kernels import triton_ops as tri  # noqa: E402
+from moecg.models import build_model  # noqa: E402
+
+
+def close(a, b, tol=1e-5):
+    err = float((a.float() - b.float()).abs().max())
+    assert err <= tol, err
+
+
+torch.manual_seed(0)
+T, D, E, K, inter = 3, 64, 8, 2, 32
+valid = torch.tensor([True, False, True])
+y, res, w = torch.randn(T, K, D), torch.randn(T, D), torch.randn(D)
+sh, sg = torch.randn(T, D), torch.randn(T, 5)[:, 2]
+for kw in ({}, {"shared": sh, "shared_gate": sg}, {"valid": valid}):
+    for a, b in zip(ref.add_rmsnorm(y, res, w, 1e-6, **kw), tri.add_rmsnorm(y, res, w, 1e-6, **kw)):
+        close(a, b)
+Hq, Hkv, Dh, L = 4, 2, 16, 80
+qkv, cos, sin = torch.randn(T, (Hq + 2 * Hkv) * Dh), torch.randn(L, Dh), torch.randn(L, Dh)
+for qn in (None, torch.randn(Dh)):
+    kn = None if qn is None else torch.randn(Dh)
+    k1, v1 = torch.zeros(T, Hkv, L, Dh), torch.zeros(T, Hkv, L, Dh)
+    k2, v2 = k1.clone(), v1.clone()
+    close(ref.rope_cache(qkv, torch.tensor(7), cos, sin, k1, v1, Hq, Hkv, Dh, qn, kn),
+          tri.rope_cache(qkv, torch.tensor(7), cos, sin, k2, v2, Hq, Hkv, Dh, qn, kn))
+    close(k1, k2)
+    close(v1, v2, 0)
+keys, vals, q = torch.randn(T, Hkv, L, Dh), torch.randn(T, Hkv, L, Dh), torch.randn(T, Hq, Dh)
+for p, window in ((0, 0), (33, 0), (79, 0), (70, 20)):
+    close(ref.attn_decode(q, keys, vals, torch.tensor(p), 0.25, window),
+          tri.attn_decode(q, keys, vals, torch.tensor(p), 0.25, window))
+logits = torch.randn(T, E + 3)[:, :E]
+for norm in (True, False):
+    i1, w1 = ref.route(logits, K, norm, torch.float32)
+    i2, w2 = tri.route(logits, K, norm, torch.float32)
+    assert torch.equal(i1, i2)
+    close(w1, w2)
+gu = torch.randn(T, 2 * inter + 3)
+close(ref.silu_mul(gu, inter), tri.silu_mul(gu, inter))
+
+
+def counters():
+    z = lambda dt=torch.int64: torch.zeros(E, dtype=dt)  # noqa: E731
+    return LayerCounters(z(), z(), z(torch.float32), z(torch.float32), torch.zeros((), dtype=torch.int64),
+                         torch.zeros((), dtype=torch.int64))
+
+
+for Tm in (3, 20):  # 20 tokens: two row blocks per expert
+    x = torch.randn(Tm, D)
+    gate_up, down = torch.randn(E, 2 * inter, D) / 8, torch.randn(E, D, inter) / 6
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(Tm)])
+    idx[:, 0] = 1  # one expert hit by every token
+    wts = torch.rand(Tm, K)
+    vm = torch.rand(Tm) > 0.3
+    for v in (None, vm):
+        c1, c2 = counters(), counters()
+        close(ref.moe_experts(x, idx, wts, gate_up, down, v, c1), tri.moe_experts(x, idx, wts, gate_up, down, v, c2))
+        assert torch.equal(c1.routed, c2.routed) and torch.equal(c1.tokens, c2.tokens)
+        close(c1.routed_mass, c2.routed_mass)
+
+# a whole model: fused decode with the Triton ops == with the torch ops (fp32), incl. the fused dispatcher
+model = build_model("qwen2_moe_tiny", dtype="fp32", device="cpu", seed=0).model
+prompts = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+runs = []
+for backend in ("torch", "triton"):
+    attach(model, make_dispatcher("fused", kernels=backend), max_rows=4)
+    eng = DecodeEngine(model, 32, 4)
+    eng.decode_forward = FastDecode(model, backend)
+    runs.append((eng.generate(prompts, 6, keep_logits=True, timing=False), state_of(model).snapshot()))
+    detach(model)
+assert torch.equal(runs[0][0].tokens, runs[1][0].tokens)
+close(torch.stack(runs[0][0].logits), torch.stack(runs[1][0].logits), 1e-4)
+assert runs[0][1]["routed"] == runs[1][1]["routed"]
+print("ALL OK")
