@@ -437,7 +437,7 @@ def test_renormalize_restores_each_survivors_weight_sum():
 
 # -- 7. errors ----------------------------------------------------------------------------------------------
 def test_make_dispatcher_errors_name_the_fix():
-    choices = r"\['capacity', 'dropless', 'dynamic'\]"
+    choices = r"\['capacity', 'dropless', 'dynamic', 'fused'\]"
     with pytest.raises(ValueError, match=r"unknown dispatch 'nope': choose one of " + choices):
         make_dispatcher("nope")
     for bad in (0, -1.0, float("nan")):
@@ -445,6 +445,8 @@ def test_make_dispatcher_errors_name_the_fix():
             make_dispatcher("capacity", capacity_factor=bad)
     with pytest.raises(ValueError, match=r"drop_policy='random': choose one of \('probs', 'position'\)"):
         make_dispatcher("capacity", drop_policy="random")
+    with pytest.raises(ValueError, match=r"dispatch.kernels='cuda': choose auto, triton or torch"):
+        make_dispatcher("fused", kernels="cuda")
     with pytest.raises(ValueError, match=r"min_capacity=0: must be >= 1"):
         make_dispatcher("capacity", min_capacity=0)
     assert make_dispatcher("capacity", capacity_factor=2.0).describe()["capacity_factor"] == 2.0

@@ -23,6 +23,12 @@ class Fused(Dropless):
     max_assignments: int = 1024  # above this (prefill), the sort + grouped GEMM path is faster
     kernels: str = "auto"  # auto | triton | torch
 
+    def __post_init__(self):
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"dispatch.kernels={self.kernels!r}: choose auto, triton or torch")
+        if int(self.max_assignments) < 0:
+            raise ValueError(f"dispatch.max_assignments={self.max_assignments}: must be >= 0")
+
     def unreduced(self, experts, hidden, idx, w, valid, counters):
         if self._use_triton(experts, hidden, idx):
             from moecg.kernels import triton_ops
