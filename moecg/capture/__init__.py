@@ -73,10 +73,9 @@ class Capture:
                                     "graphs wrap HF's decoder layers): use capture.kernels=hf for that strategy")
             if self.compile:
                 raise StrategyError("capture.kernels=fused and capture.compile=true exclude each other: pick one")
-            from moecg.fast import FastDecode, check_supported
+            from moecg.fast import FastDecode
 
-            check_supported(model)  # before any CUDA work
-            self.fast = FastDecode(model, kernel_backend)
+            self.fast = FastDecode(model, kernel_backend)  # checks the model first, before any CUDA work
         self.layer_graphs: LayerGraphs | None = None
         self._warned_big = False
         self.applied = False

@@ -24,7 +24,9 @@ class Fused(Dropless):
     kernels: str = "auto"  # auto | triton | torch
 
     def __post_init__(self):
-        if self.kernels not in ("auto", "triton", "torch"):
+        from moecg.kernels import OPS_BACKENDS
+
+        if self.kernels not in OPS_BACKENDS:
             raise ValueError(f"dispatch.kernels={self.kernels!r}: choose auto, triton or torch")
         if int(self.max_assignments) < 0:
             raise ValueError(f"dispatch.max_assignments={self.max_assignments}: must be >= 0")
@@ -48,6 +50,3 @@ class Fused(Dropless):
             raise RuntimeError("dispatch.kernels=triton: Triton cannot run here (needs CUDA + triton, SiLU experts); "
                                "use dispatch.kernels=auto")
         return ok
-
-    def describe(self) -> dict:
-        return {**super().describe(), "dispatch": self.name}

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moecg.dispatch.base import count_valid, route_counts, routed_mass
+
 
 def rmsnorm(x, weight, eps: float):
     """HF's RMSNorm: fp32 statistics, cast back, times the weight in the weight's dtype."""
@@ -112,10 +114,6 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None):
     if valid is not None:
         y = torch.where(valid[:, None, None], y, 0.0)
     if counters is not None:
-        keep = torch.ones_like(idx, dtype=torch.bool) if valid is None else valid[:, None].expand(T, K)
-        ones = keep.reshape(-1).long()
-        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, idx.reshape(-1), ones)
-        mass = torch.zeros(E, dtype=torch.float32, device=x.device).scatter_add_(
-            0, idx.reshape(-1), w.reshape(-1).float() * ones)
-        counters.add_routed(counts, mass, keep[:, 0].sum())
+        idx_m, counts = route_counts(idx, valid, E)
+        counters.add_routed(counts, routed_mass(idx_m, w, E), count_valid(valid, T, x.device))
     return y
