@@ -30,7 +30,7 @@ from transformers import StaticCache
 from moecg.capture import Capture, bucket_for
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
-from moecg.measure import env_fields, step_floor_ms, write_report
+from moecg.measure import agreement, env_fields, step_floor_ms, top2_margins, write_report
 from moecg.models import build_model
 
 
@@ -60,7 +60,7 @@ def compile_ms(model, prompts, new_tokens, repeats, cache_len, mode, ref=None):
     dev = next(model.parameters()).device
     torch._dynamo.reset()
     fwd = torch.compile(model.forward, mode=mode, fullgraph=True)
-    def generate(force=None):
+    def generate(force=None):  # -> (ms per decode step, tokens [B, new_tokens])
         cache = StaticCache(config=model.config, max_cache_len=cache_len)
         with torch.no_grad():
             logits = model(input_ids=prompts, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
@@ -77,8 +77,7 @@ def compile_ms(model, prompts, new_tokens, repeats, cache_len, mode, ref=None):
                 sync(dev)
                 times.append((time.perf_counter() - t0) * 1e3)
                 toks.append(ids)
-        generate.tokens = torch.cat(toks, 1)
-        return times
+        return times, torch.cat(toks, 1)
 
     t0 = time.perf_counter()
     generate()  # compiles (and, for reduce-overhead, records its graphs) for this batch size
@@ -86,10 +85,9 @@ def compile_ms(model, prompts, new_tokens, repeats, cache_len, mode, ref=None):
     compile_s = time.perf_counter() - t0
     steps = []
     for _ in range(repeats):
-        steps += generate()[2:]
-    free = generate.tokens
-    generate(force=ref[0] if ref is not None else None)
-    fid = fidelity(free, generate.tokens, ref) if ref is not None else None
+        times, free = generate()
+        steps += times[2:]
+    fid = agreement(ref[0], free, generate(force=ref[0])[1], ref[1]) if ref is not None else None
     return statistics.median(steps), compile_s, fid
 
 
@@ -100,22 +98,15 @@ def reference_tokens(model, prompts, new_tokens, cache_len):
     try:
         r = DecodeEngine(model, cache_len, prompts.shape[0]).generate(prompts, new_tokens, timing=False,
                                                                       keep_logits=True)
-        margins = torch.stack([(lambda v: v[:, 0] - v[:, 1])(lg.topk(2, dim=-1).values) for lg in r.logits], 1)
-        return r.tokens, margins
+        return r.tokens, top2_margins(r.logits)
     finally:
         detach(model)
 
 
-def fidelity(tokens, forced, ref):
-    """(free-running agreement, teacher-forced agreement, largest eager top-2 margin where forced disagrees)."""
-    ref_tokens, margins = ref
-    free = float((tokens.cpu() == ref_tokens).float().mean())
-    miss = forced.cpu() != ref_tokens
-    return free, float((~miss).float().mean()), float(margins[miss].max()) if miss.any() else 0.0
-
-
 def moecg_ms(model, adapter, prompts, new_tokens, repeats, cache_len, strategy, dispatch, kw, buckets,
-             compile_mode, bandwidth_gbps, context, kernels="hf", ref_tokens=None):
+             compile_mode, bandwidth_gbps, context, kernels="hf", ref_tokens=None) -> dict:
+    """One strategy: ms (CUDA events), wall (ms per step, host loop included), capture_s, captured, floor,
+    agree (free, forced, margin at flips; None without a reference)."""
     B = prompts.shape[0]
     rows = max(max(buckets), B)  # every bucket gets captured: capture_s is the all-buckets cost
     attach(model, make_dispatcher(dispatch, **kw), max_rows=rows)
@@ -129,7 +120,7 @@ def moecg_ms(model, adapter, prompts, new_tokens, repeats, cache_len, strategy, 
         agree = None
         if ref_tokens is not None:
             forced = engine.generate(prompts, new_tokens, timing=False, force_tokens=ref_tokens[0])
-            agree = fidelity(first.tokens, forced.tokens, ref_tokens)
+            agree = agreement(ref_tokens[0], first.tokens, forced.tokens, ref_tokens[1])
         steps = []
         for _ in range(repeats):
             steps += engine.generate(prompts, new_tokens).step_ms[2:]
@@ -141,10 +132,10 @@ def moecg_ms(model, adapter, prompts, new_tokens, repeats, cache_len, strategy, 
             g = engine.generate(prompts, new_tokens, timing=False)
             sync(engine.device)
             walls.append(((time.perf_counter() - t0) * 1e3 - g.prefill_ms) / (new_tokens - 1))
-        moecg_ms.wall = statistics.median(walls)
         floor = step_floor_ms(engine, adapter, prompts, bandwidth_gbps, context, dispatch == "capacity")
         cap.unwrap()
-        return statistics.median(steps), capture_s, cap.stats()["captured"], floor, agree
+        return {"ms": statistics.median(steps), "wall": statistics.median(walls), "capture_s": capture_s,
+                "captured": cap.stats()["captured"], "floor": floor, "agree": agree}
     finally:
         detach(model)
         torch._dynamo.reset()
@@ -198,18 +189,18 @@ def main(argv=None):
                 dispatch = "fused"
             mode = args.moecg_compile_mode if extra == "compile" else None
             try:
-                ms, cap_s, captured, floor, agree = moecg_ms(
-                    model, built.adapter, prompts.cpu(), args.new_tokens, args.repeats, args.cache_len, name,
-                    dispatch, kw, buckets, mode, args.bandwidth_gbps, context,
-                    kernels="fused" if extra == "fused" else "hf", ref_tokens=ref_tokens)
+                m = moecg_ms(model, built.adapter, prompts.cpu(), args.new_tokens, args.repeats, args.cache_len,
+                             name, dispatch, kw, buckets, mode, args.bandwidth_gbps, context,
+                             kernels="fused" if extra == "fused" else "hf", ref_tokens=ref_tokens)
             except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
                 print(f"moecg:{s} failed: {type(e).__name__}: {e}", flush=True)
-                ms, cap_s, captured, floor, agree = float("nan"), float("nan"), False, float("nan"), None
-            row[f"moecg:{s}"], row[f"moecg:{s}:capture_s"], row["captured"] = ms, cap_s, captured
-            row[f"moecg:{s}:agree"] = agree
-            row[f"moecg:{s}:wall"] = getattr(moecg_ms, "wall", float("nan")) if ms == ms else float("nan")
+                nan = float("nan")
+                m = {"ms": nan, "wall": nan, "capture_s": nan, "captured": False, "floor": nan, "agree": None}
+            row[f"moecg:{s}"], row[f"moecg:{s}:capture_s"], row["captured"] = m["ms"], m["capture_s"], m["captured"]
+            row[f"moecg:{s}:agree"] = m["agree"]
+            row[f"moecg:{s}:wall"] = m["wall"]
             if name != "capacity":  # the dropless floor: only the experts a step routes to
-                row["floor_ms"] = floor
+                row["floor_ms"] = m["floor"]
         results.append(row)
         print(json.dumps(row), flush=True)
 

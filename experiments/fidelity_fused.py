@@ -19,6 +19,7 @@ import torch
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
 from moecg.fast import FastDecode
+from moecg.measure import agreement, top2_margins
 from moecg.models import build_model
 from moecg.quality import heldout_prompts
 
@@ -55,10 +56,9 @@ def main(argv=None):
         free = eng.generate(prompts, args.new_tokens, timing=False)
         forced = eng.generate(prompts, args.new_tokens, timing=False, force_tokens=ref.tokens)
         detach(m)
-        margin = torch.stack([(lambda v: v[:, 0] - v[:, 1])(lg.topk(2, dim=-1).values) for lg in ref.logits], 1)
-        miss = forced.tokens != ref.tokens
-        print(f"| {preset} | {fast.backend} | {(free.tokens == ref.tokens).float().mean():.4f} | "
-              f"{(~miss).float().mean():.4f} | {float(margin[miss].max()) if miss.any() else 0.0:.3f} | "
+        margin = top2_margins(ref.logits)
+        free_agree, forced_agree, worst = agreement(ref.tokens, free.tokens, forced.tokens, margin)
+        print(f"| {preset} | {fast.backend} | {free_agree:.4f} | {forced_agree:.4f} | {worst:.3f} | "
               f"{float(margin.median()):.3f} |", flush=True)
     return 0
 
