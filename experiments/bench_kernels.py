@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+from bench_dispatch import capture, time_us  # same directory: the graph capture and timing helpers
 
 from moecg.dispatch import make_dispatcher
 from moecg.kernels import ref, triton_ops
@@ -30,29 +30,13 @@ MOE_CONFIGS = [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 4
 
 
 def graph_time_us(fn, reps: int = 20, replays: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        g.capture_begin()
+    """µs per call of `fn`: `reps` calls captured back to back in one graph, median of `replays` replays."""
+    def burst():
         for _ in range(reps):
             fn()
-        g.capture_end()
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+
+    g = capture(burst, None)
+    return time_us(g.replay, torch.device("cuda"), warmup=1, inner=1, repeats=replays) / reps
 
 
 def main(argv=None):
