@@ -6,6 +6,7 @@ records what it routed and dropped. It knows nothing about CUDA graphs beyond de
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,10 +22,28 @@ def register(cls):
     return cls
 
 
+class DispatchOptionError(ValueError):
+    pass
+
+
 @dataclass
 class Dispatcher:
+    """Capabilities are declared here, per class, and asked for by name of the capability, never of the class."""
+
     name: ClassVar[str] = "base"
-    graph_safe: ClassVar[bool] = False
+    graph_safe: ClassVar[bool] = False  # no host sync and shapes fixed by the token count: CUDA graphs can hold it
+    drops: ClassVar[bool] = False  # may drop assignments (a capacity); drop counters and capacity fields apply
+    reads_all_experts: ClassVar[bool] = False  # every call reads every expert's weights (padded GEMM): the floor
+    fused_unreduced: ClassVar[bool] = False  # has unreduced() -> [T, K, D] fp32, which the fused step sums itself
+
+    @classmethod
+    def options(cls) -> tuple[str, ...]:
+        """The `dispatch.<option>` keys this dispatcher reads (its dataclass fields)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def capabilities(cls) -> dict:
+        return {"graph_safe": cls.graph_safe, "drops": cls.drops, "reads_all_experts": cls.reads_all_experts}
 
     def forward(self, experts, hidden, idx, w, valid: torch.Tensor | None, counters: LayerCounters | None):
         raise NotImplementedError
@@ -33,12 +52,45 @@ class Dispatcher:
         return {"dispatch": self.name, "capacity_factor": None, "drop_policy": None}
 
 
+_KINDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
+
+
+def _coerce(name: str, key: str, value, default):
+    kind = type(default)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    raise DispatchOptionError(f"dispatch.{key}={value!r}: dispatch={name} needs {_KINDS[kind]} here "
+                              f"(default {default!r})")
+
+
 def make_dispatcher(name: str, **kwargs) -> Dispatcher:
+    """Build a dispatcher from its options; an option it does not read is refused, not ignored."""
     if name not in REGISTRY:
-        raise ValueError(f"unknown dispatch {name!r}: choose one of {sorted(REGISTRY)} (dispatch=<name>)")
+        raise DispatchOptionError(f"unknown dispatch {name!r}: choose one of {sorted(REGISTRY)} (dispatch=<name>)")
     cls = REGISTRY[name]
-    fields = {f for f in cls.__dataclass_fields__}
-    return cls(**{k: v for k, v in kwargs.items() if k in fields})
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - set(fields))
+    if unknown:
+        takers = sorted(n for n, c in REGISTRY.items() if set(unknown) <= set(c.options()))
+        hint = f"it belongs to dispatch={' or dispatch='.join(takers)}" if takers else "no dispatcher reads it"
+        own = ", ".join(cls.options()) or "none"
+        raise DispatchOptionError(f"dispatch.{unknown[0]} does not apply to dispatch={name} ({hint}; "
+                                  f"dispatch={name}'s options: {own}): remove the override or change dispatch")
+    return cls(**{k: _coerce(name, k, v, fields[k].default) for k, v in kwargs.items()})
 
 
 def check_experts(experts) -> None:

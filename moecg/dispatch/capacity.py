@@ -3,6 +3,10 @@
 Dims: T tokens, K top-k, E experts, C capacity per expert, D hidden, I expert intermediate.
 Every shape depends only on (T, K, E, capacity_factor), so the whole layer captures. The price: one batched
 GEMM reads all E experts' weights every step, even at batch 1 where dropless reads only K of them.
+
+Buffers are sized for the T tokens run (a padded bucket), but the drop threshold is Megatron's capacity of the
+*real* tokens, computed on the device from the row mask: the same workload keeps the same assignments whether it
+runs eagerly at its own batch size or padded up to a captured bucket.
 """
 from __future__ import annotations
 
@@ -22,11 +26,23 @@ def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: flo
     return max(1, min(max(c, min_capacity), num_tokens))
 
 
-def capacity_slots(idx, w, valid, num_experts: int, cap: int, drop_policy: str):
+def capacity_on_device(n_valid: torch.Tensor, top_k: int, num_experts: int, capacity_factor: float,
+                       min_capacity: int = 1) -> torch.Tensor:
+    """`capacity` of a device scalar token count, without a host sync: the same float64 ops in the same order as
+    the host formula, so both give the same C for every n (tested)."""
+    c = torch.ceil(n_valid.to(torch.float64) * top_k / num_experts * capacity_factor)
+    c = torch.maximum(c, torch.full_like(c, float(min_capacity)))
+    c = torch.minimum(c, n_valid.to(torch.float64))
+    return torch.clamp(c, min=1.0).to(torch.int64)  # []
+
+
+def capacity_slots(idx, w, valid, num_experts: int, cap: int, drop_policy: str, cap_used: torch.Tensor | None = None):
     """Which assignments keep a slot.
 
     idx [T, K], w [T, K], valid [T] | None -> (slot_token [E, C] token index per slot, slot_ok [E, C] bool,
     routed [T, E] bool, kept [T, E] bool, probs [T, E] fp32). Pure device ops: topk with a static k.
+    cap: the buffer's slots per expert; cap_used (device scalar <= cap, default cap): how many of them may be
+    filled, i.e. the capacity of the real tokens when the batch is padded.
     """
     T = idx.shape[0]
     routed = torch.zeros(T, num_experts + 1, dtype=torch.bool, device=idx.device)
@@ -46,6 +62,9 @@ def capacity_slots(idx, w, valid, num_experts: int, cap: int, drop_policy: str):
     score = torch.where(routed, score, -1.0)  # [T, E]; unrouted and pad rows rank last
     top, slot_token = torch.topk(score, k=cap, dim=0)  # [C, E]
     slot_ok = top >= 0  # [C, E]
+    if cap_used is not None:
+        # topk sorts descending, so the first cap_used slots hold exactly the real batch's top-C choice
+        slot_ok = slot_ok & (torch.arange(cap, device=idx.device)[:, None] < cap_used)  # [C, E]
     kept = torch.zeros(T, num_experts, dtype=torch.bool, device=idx.device)
     kept.scatter_(0, slot_token, slot_ok)  # [T, E]
     return slot_token.t(), slot_ok.t(), routed, kept, probs
@@ -56,6 +75,8 @@ def capacity_slots(idx, w, valid, num_experts: int, cap: int, drop_policy: str):
 class Capacity(Dispatcher):
     name = "capacity"
     graph_safe = True
+    drops = True
+    reads_all_experts = True
     capacity_factor: float = 1.25
     drop_policy: str = "probs"
     min_capacity: int = 1
@@ -78,8 +99,12 @@ class Capacity(Dispatcher):
     def forward(self, experts, hidden, idx, w, valid, counters):
         T, K = idx.shape
         E = experts.num_experts
-        C = self.capacity_for(T, K, E)
-        slot_token, slot_ok, routed, kept, probs = capacity_slots(idx, w, valid, E, C, self.drop_policy)
+        C = self.capacity_for(T, K, E)  # buffer slots: a function of the (padded) shape only
+        n_valid = count_valid(valid, T, hidden.device)  # []
+        # the drop threshold: Megatron's capacity of the real tokens (pad rows never count)
+        cap_used = None if valid is None else \
+            capacity_on_device(n_valid, K, E, self.capacity_factor, self.min_capacity)
+        slot_token, slot_ok, routed, kept, probs = capacity_slots(idx, w, valid, E, C, self.drop_policy, cap_used)
         x = hidden[slot_token]  # [E, C, D]
         y = expert_mlp_padded(experts, x.to(experts.gate_up_proj.dtype))  # [E, C, D]
         # Where each kept (token, expert) sits: slot_of[t, e] = c.
@@ -101,6 +126,6 @@ class Capacity(Dispatcher):
             routed_e = routed.sum(0)  # [E]
             dropped = routed & ~kept  # [T, E]
             lost = (routed.any(1) & ~kept.any(1)).sum()
-            counters.add(routed_e, dropped.sum(0), (probs * routed).sum(0), (probs * dropped).sum(0),
-                         count_valid(valid, T, hidden.device), lost)
+            counters.add(routed_e, dropped.sum(0), (probs * routed).sum(0), (probs * dropped).sum(0), n_valid, lost)
+            counters.add_capacity(C if cap_used is None else cap_used)
         return out.to(hidden.dtype)

@@ -17,6 +17,7 @@ from moecg.dispatch.base import Dispatcher, count_valid, expert_mlp_grouped, reg
 class Dropless(Dispatcher):
     name = "dropless"
     graph_safe = True
+    fused_unreduced = True
 
     def forward(self, experts, hidden, idx, w, valid, counters):
         return self.unreduced(experts, hidden, idx, w, valid, counters).sum(1).to(hidden.dtype)  # [T, D]

@@ -22,6 +22,8 @@ class LayerCounters:
     dropped_mass: torch.Tensor  # [E] fp32  routing weight dropped
     tokens: torch.Tensor  # [] int64  valid tokens seen
     lost_all: torch.Tensor  # [] int64  valid tokens that lost all K experts
+    capacity: torch.Tensor | None = None  # [] int64  sum over calls of the capacity C applied (capacity only)
+    calls: torch.Tensor | None = None  # [] int64  calls that applied a capacity
 
     def add_routed(self, routed, routed_mass, tokens):
         """A dispatcher that never drops: three in-place adds instead of six."""
@@ -37,6 +39,12 @@ class LayerCounters:
         self.tokens.add_(tokens)
         self.lost_all.add_(lost_all)
 
+    def add_capacity(self, cap) -> None:
+        """cap: the C this call applied (int or device scalar: the real tokens' capacity, not the bucket's)."""
+        if self.capacity is not None:
+            self.capacity.add_(cap)
+            self.calls.add_(1)
+
 
 class DispatchState:
     """Model-wide dispatch state: which dispatcher runs, the row mask for padded batches, and the counters."""
@@ -51,6 +59,7 @@ class DispatchState:
         self.routed, self.dropped = z(L, E), z(L, E)  # [L, E]
         self.routed_mass, self.dropped_mass = z(L, E, dt=torch.float32), z(L, E, dt=torch.float32)  # [L, E]
         self.tokens, self.lost_all = z(L), z(L)  # [L]
+        self.capacity, self.calls = z(L), z(L)  # [L]
         self.row_valid = torch.ones(max_rows, dtype=torch.bool, device=device)  # [B_max]
         self.n_rows: int | None = None  # rows of the forward being traced/run; None: no masking
         self.n_valid: int | None = None  # real rows among them (host-side, from set_rows)
@@ -64,10 +73,12 @@ class DispatchState:
         if not self.counting:
             return None
         return LayerCounters(self.routed[slot], self.dropped[slot], self.routed_mass[slot],
-                             self.dropped_mass[slot], self.tokens[slot], self.lost_all[slot])
+                             self.dropped_mass[slot], self.tokens[slot], self.lost_all[slot],
+                             self.capacity[slot], self.calls[slot])
 
     def _tensors(self):
-        return (self.routed, self.dropped, self.routed_mass, self.dropped_mass, self.tokens, self.lost_all)
+        return (self.routed, self.dropped, self.routed_mass, self.dropped_mass, self.tokens, self.lost_all,
+                self.capacity, self.calls)
 
     def reset(self) -> None:
         for t in self._tensors():
@@ -82,7 +93,7 @@ class DispatchState:
 
     def snapshot(self) -> dict:
         """Host copy of the counters (one sync): per layer and per expert, plus derived rates."""
-        routed, dropped, rmass, dmass, tokens, lost = (t.detach().cpu() for t in self._tensors())
+        routed, dropped, rmass, dmass, tokens, lost, cap, calls = (t.detach().cpu() for t in self._tensors())
         r_tot, d_tot = int(routed.sum()), int(dropped.sum())
         per_layer_routed = routed.sum(1).clamp(min=1)
         load = routed.sum(0).double()  # [E] assignments per expert, all layers
@@ -101,6 +112,8 @@ class DispatchState:
             # max/mean expert load, averaged over layers: 1.0 is perfectly balanced, E is one hot expert
             "expert_load_imbalance": float(imb.mean()) if r_tot else 0.0,
             "experts_hit_per_layer": (routed > 0).sum(1).tolist(),
+            # mean C applied per MoE call (the real tokens' capacity); None when no capacity was applied
+            "capacity_used": float(cap.sum() / calls.sum()) if int(calls.sum()) else None,
             "global_load": load.tolist(),
         }
 

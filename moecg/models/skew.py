@@ -53,6 +53,19 @@ def apply_router_skew(model, skew: float, seed: int = 0) -> None:
         router.forward = types.MethodType(_skewed_router_forward, router)
 
 
+def router_logit_bias(router) -> torch.Tensor | None:
+    """The [E] bias `apply_router_skew` put on this router's logits, or None. A path that computes the router's
+    logits itself (the fused decode step) adds it, so router skew acts on every path.
+
+    Raises if the router's forward was replaced by anything else: a path that bypasses it would silently ignore it.
+    """
+    fwd = router.__dict__.get("forward")
+    if fwd is not None and getattr(fwd, "__func__", None) is not _skewed_router_forward:
+        raise ValueError(f"{type(router).__name__}.forward is patched by something other than moecg's router skew: "
+                         "the fused decode step cannot honour it; use capture.kernels=hf")
+    return router.__dict__.get("_moecg_skew")
+
+
 def remove_router_skew(model) -> None:
     from moecg.models.adapter import adapter_for
 
