@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from moecg.dispatch import state_of
 from moecg.kernels import get_ops, ref
+from moecg.models.skew import router_logit_bias
 
 
 class FastPathError(ValueError):
@@ -56,6 +57,7 @@ class _Layer:
     wcat: torch.Tensor | None = None  # [2Is (+1) + E, D]: shared gate | shared up | shared gate logit | router
     r0: int = 0  # router rows in wcat: [r0, r0 + n_experts)
     n_experts: int = 0
+    router: object | None = None  # HF router module: its skew bias (moecg.models.skew) is read at each call
     top_k: int = 0
     norm_topk: bool = False
     route_dtype: torch.dtype | None = None
@@ -165,6 +167,8 @@ class FastDecode:
                 L.mlp = getattr(layer, ad.moe)
             else:
                 router = getattr(block, ad.router)
+                router_logit_bias(router)  # refuses a router forward it cannot reproduce, before any CUDA work
+                L.router = router
                 L.experts = getattr(block, ad.experts)
                 L.top_k = int(router.top_k)
                 L.norm_topk = bool(getattr(router, "norm_topk_prob", True))
@@ -201,7 +205,7 @@ class FastDecode:
         disp = state.dispatcher if state is not None else None
         if disp is None:
             return ref.moe_experts(h, idx, w, L.experts.gate_up_proj, L.experts.down_proj, valid, counters)
-        if hasattr(disp, "unreduced"):
+        if disp.fused_unreduced:
             return disp.unreduced(L.experts, h, idx, w, valid, counters)  # [T, K, D] fp32
         return disp.forward(L.experts, h, idx, w, valid, counters)[:, None]  # [T, 1, D]
 
@@ -235,7 +239,11 @@ class FastDecode:
                 continue
             z = F.linear(h, L.wcat)  # [T, 2Is (+1) + E]
             route = ops.route if (L.top_k & (L.top_k - 1)) == 0 else ref.route
-            idx, w = route(z[:, L.r0: L.r0 + L.n_experts], L.top_k, L.norm_topk, L.route_dtype)  # [T, K], [T, K]
+            logits = z[:, L.r0: L.r0 + L.n_experts]  # [T, E]
+            bias = router_logit_bias(L.router)  # router skew acts here as in HF's (skewed) router forward
+            if bias is not None:
+                logits = logits + bias.to(logits.dtype)  # [T, E]
+            idx, w = route(logits, L.top_k, L.norm_topk, L.route_dtype)  # [T, K], [T, K]
             shared = gate = None
             if L.shared_inter:
                 shared = F.linear(ops.silu_mul(z, L.shared_inter), L.w_sdown)  # [T, D]
