@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from moecg.dispatch import attach, detach, make_dispatcher
-from moecg.measure import env_fields
+from moecg.report import env_fields
 from moecg.models import build_model
 
 CASES = [  # label, dispatch, kwargs

@@ -22,7 +22,7 @@ from bench_dispatch import capture, time_us  # same directory: the graph capture
 
 from moecg.dispatch import make_dispatcher
 from moecg.kernels import ref, triton_ops
-from moecg.measure import env_fields, write_report
+from moecg.report import env_fields, write_report
 from moecg.models import build_model
 
 MOE_CONFIGS = [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 4), (64, 64, 4, 5),

@@ -19,7 +19,8 @@ import torch
 from moecg.capture import Capture, bucket_for
 from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.engine import DecodeEngine
-from moecg.measure import env_fields, percentile, step_floor_ms, write_report
+from moecg.floor import step_floor_ms
+from moecg.report import env_fields, percentile, write_report
 from moecg.models import build_model
 
 DEFAULT = [  # label, strategy, layers, dispatch, dispatch kwargs

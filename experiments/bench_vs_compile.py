@@ -30,7 +30,9 @@ from transformers import StaticCache
 from moecg.capture import Capture, bucket_for
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
-from moecg.measure import agreement, env_fields, step_floor_ms, top2_margins, write_report
+from moecg.fidelity import agreement, top2_margins
+from moecg.floor import step_floor_ms
+from moecg.report import env_fields, write_report
 from moecg.models import build_model
 
 
@@ -132,7 +134,7 @@ def moecg_ms(model, adapter, prompts, new_tokens, repeats, cache_len, strategy, 
             g = engine.generate(prompts, new_tokens, timing=False)
             sync(engine.device)
             walls.append(((time.perf_counter() - t0) * 1e3 - g.prefill_ms) / (new_tokens - 1))
-        floor = step_floor_ms(engine, adapter, prompts, bandwidth_gbps, context, dispatch == "capacity")
+        floor = step_floor_ms(engine, adapter, prompts, bandwidth_gbps, context, make_dispatcher(dispatch).reads_all_experts)
         cap.unwrap()
         return {"ms": statistics.median(steps), "wall": statistics.median(walls), "capture_s": capture_s,
                 "captured": cap.stats()["captured"], "floor": floor, "agree": agree}

@@ -19,7 +19,7 @@ import torch
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
 from moecg.fast import FastDecode
-from moecg.measure import agreement, top2_margins
+from moecg.fidelity import agreement, top2_margins
 from moecg.models import build_model
 from moecg.quality import heldout_prompts
 

@@ -126,19 +126,18 @@ def test_every_config_option_composes():
 
 
 def test_prompts_from_file_and_heldout(tmp_path):
-    from omegaconf import OmegaConf
-
-    from moecg.measure import make_prompts
+    from moecg.prompts import PromptError, make_prompts
 
     f = tmp_path / "ids.txt"
     f.write_text("1 2 3 4 5\n6 7 8 9 10\n")
-    cfg = OmegaConf.create({"batch_size": 2, "prompt_len": 4, "seed": 0, "prompts": "file", "prompt_file": str(f)})
-    assert make_prompts(cfg, 512).tolist() == [[1, 2, 3, 4], [6, 7, 8, 9]]
-    cfg.prompt_len = 6
-    with pytest.raises(ValueError, match="need 2 rows of at least prompt_len=6"):
-        make_prompts(cfg, 512)
-    cfg.prompt_len, cfg.batch_size = 4, 2
-    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 8\)"):
-        make_prompts(cfg, 8)
-    held = make_prompts(OmegaConf.create({"batch_size": 3, "prompt_len": 16, "seed": 1, "prompts": "heldout"}), 256)
+    assert make_prompts("file", 2, 4, 0, 512, str(f)).tolist() == [[1, 2, 3, 4], [6, 7, 8, 9]]
+    with pytest.raises(PromptError, match="need batch_size=2 rows of at least prompt_len=6"):
+        make_prompts("file", 2, 6, 0, 512, str(f))
+    with pytest.raises(PromptError, match=r"token ids must lie in \[0, 8\)"):
+        make_prompts("file", 2, 4, 0, 8, str(f))
+    words = tmp_path / "words.txt"
+    words.write_text("1 2 3\nhello world again\n")
+    with pytest.raises(PromptError, match=r"prompt_file=.*words.txt, line 2: 'hello' is not a token id"):
+        make_prompts("file", 2, 3, 0, 512, str(words))
+    held = make_prompts("heldout", 3, 16, 1, 256)
     assert held.shape == (3, 16) and int(held.max()) < 256

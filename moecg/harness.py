@@ -1,0 +1,232 @@
+"""The one measurement harness: a resolved run plan -> a results record (`moecg.schema`).
+
+Dims: B rows, V vocab. The same order of work for every strategy, so numbers compare, each a phase the user sees:
+  plan (validate everything, no CUDA work) -> build -> reference (dropless eager: tokens and logits)
+  -> baseline (eager with the run's dispatch, timed) -> capture -> timed repeats (counters from the first)
+  -> fidelity -> floor (one counted step) -> quality (byte-level models) -> the record.
+"""
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from moecg.capture import Capture
+from moecg.dispatch import attach, detach, make_dispatcher, state_of
+from moecg.engine import DecodeEngine
+from moecg.fidelity import agreement, logit_agreement
+from moecg.floor import step_floor_ms
+from moecg.models import build_model
+from moecg.plan import RunPlan, resolve_plan
+from moecg.report import env_fields, percentile
+from moecg.schema import ok_record
+
+NOISY_SPREAD = 1.5  # p90/p50 above this: the steps were not steady (a busy machine, or a coarse clock)
+
+
+class Phases:
+    """One line per phase (`moecg: [phase] ...`) with its wall time, so a long run is never silent. A failure is
+    tagged with the phase it happened in (`exc.moecg_phase`) for the failed record."""
+
+    def __init__(self, out=None):
+        self.out = out if out is not None else sys.stdout
+        self.current = "plan"
+
+    def say(self, msg: str) -> None:
+        print(f"moecg: {msg}", file=self.out, flush=True)
+
+    @contextmanager
+    def __call__(self, name: str, what: str):
+        self.current = name
+        self.say(f"[{name}] {what} ...")
+        t0 = time.perf_counter()
+        try:
+            yield
+        except BaseException as e:
+            if not hasattr(e, "moecg_phase"):
+                e.moecg_phase = name
+            raise
+        self.say(f"[{name}] done in {time.perf_counter() - t0:.1f} s")
+
+
+def _timed_generate(engine, plan: RunPlan, phases: Phases | None = None, progress=None, steps_left: int = 0):
+    """One untimed warm call, then `repeats` timed calls; returns (per-step ms pooled, first (result, counters))."""
+    m = plan.measure
+    t0 = time.perf_counter()
+    engine.generate(plan.prompts, plan.new_tokens, timing=False)
+    if phases is not None and steps_left:
+        per = (time.perf_counter() - t0) / max(plan.new_tokens - 1, 1)
+        phases.say(f"estimate: ~{per * steps_left:.0f} s for the remaining ~{steps_left} decode steps "
+                   f"({per * 1e3:.1f} ms per step, warm call)")
+    state = state_of(engine.model)
+    steps, first = [], None
+    for r in range(m.repeats):
+        if r == 0:
+            state.reset()
+        res = engine.generate(plan.prompts, plan.new_tokens, progress=progress, count_prefill=False)
+        if r == 0:
+            first = (res, state.snapshot())
+        steps += res.step_ms[m.skip_steps:]
+    return steps, first
+
+
+def _spread(steps) -> float | None:
+    if not steps:
+        return None
+    p50 = statistics.median(steps)
+    return percentile(steps, 0.9) / p50 if p50 > 0 else None
+
+
+def run_experiment(cfg_or_plan, progress=None, phases: Phases | None = None) -> dict:
+    """Run one configuration end to end; returns the flat results record (see README 'Results schema')."""
+    phases = phases or Phases()
+    if isinstance(cfg_or_plan, RunPlan):
+        plan = cfg_or_plan
+    else:
+        with phases("plan", "resolving and validating the config (no CUDA work)"):
+            plan = resolve_plan(cfg_or_plan)
+    phases.say(f"plan: {plan.describe()}")
+    return _run(plan, progress, phases)
+
+
+def _run(plan: RunPlan, progress, phases: Phases) -> dict:
+    mp, m = plan.model, plan.measure
+    dispatcher = plan.dispatcher
+    with phases("build", f"building {mp.preset or mp.pretrained_path} ({mp.layers} layers) on {plan.device.type}"):
+        built = build_model(mp.preset, pretrained_path=mp.pretrained_path, num_layers=mp.num_layers,
+                            dtype=mp.dtype, device=str(plan.device), seed=plan.seed, router_skew=mp.router_skew,
+                            attn_implementation=mp.attn_implementation)
+    model, dev = built.model, built.device
+    prompts, B, rows = plan.prompts, plan.batch_size, plan.max_rows
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    per_pass = max(plan.new_tokens - 1, 1)
+    left = plan.decode_steps
+
+    ref = None
+    keep = m.fidelity_rows
+    if m.fidelity:
+        with phases("reference", "dropless eager decode (the fidelity reference)"):
+            attach(model, make_dispatcher("dropless"), max_rows=rows)
+            ref = DecodeEngine(model, plan.max_cache_len, rows).generate(prompts, plan.new_tokens, keep_logits=keep,
+                                                                         timing=False)
+            detach(model)
+            left -= per_pass
+    attach(model, dispatcher, max_rows=rows).prefill_dispatcher = plan.prefill_dispatcher
+    engine = DecodeEngine(model, plan.max_cache_len, rows)
+    eager_steps = None
+    if m.eager_baseline and plan.strategy.scope != "eager":
+        with phases("baseline", f"strategy=eager with dispatch={dispatcher.name}, {m.repeats} timed repeats"):
+            eager_steps, _ = _timed_generate(engine, plan, phases, steps_left=left - per_pass)
+            left -= (m.repeats + 1) * per_pass
+
+    with phases("capture", f"strategy={plan.strategy.name}"
+                + (f", buckets {[b for b in plan.buckets if b <= rows]}" if plan.captures else " (no graphs)")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cap = Capture(engine, plan.strategy.name, layers=plan.strategy_layers, buckets=plan.buckets,
+                          backend=plan.capture_backend, warmup=plan.warmup, compile=plan.compile,
+                          compile_mode=plan.compile_mode, kernels=plan.kernels,
+                          kernel_backend=plan.kernel_backend).apply()
+        for w in caught:
+            phases.say(f"warning: {w.message}")
+    with phases("timed", f"{m.repeats} timed repeats of {plan.new_tokens} tokens x {B} rows"):
+        steps, (first_res, drops) = _timed_generate(engine, plan, phases if eager_steps is None else None,
+                                                    progress, steps_left=left - per_pass)
+    res = forced = None
+    if ref is not None:
+        with phases("fidelity", "greedy and teacher-forced decode vs the reference"):
+            res = engine.generate(prompts, plan.new_tokens, keep_logits=keep, timing=False)
+            forced = engine.generate(prompts, plan.new_tokens, timing=False, force_tokens=ref.tokens)
+
+    state = state_of(model)
+    with phases("floor", "HBM floor from one counted step"):
+        floor_ms = step_floor_ms(engine, built.adapter, prompts, m.hbm_bandwidth_gbps,
+                                 plan.prompt_len + plan.new_tokens // 2, dispatcher.reads_all_experts)
+    stats = cap.stats()
+    p50 = statistics.median(steps) if steps else float("nan")
+    eager_p50 = statistics.median(eager_steps) if eager_steps else (p50 if plan.strategy.scope == "eager" else None)
+    # no graphs and HF's modules: the run executed the baseline's own code path, a ratio would only measure noise
+    same_path = not stats["captured"] and plan.kernels == "hf" and not plan.compile
+    spreads = [s for s in (_spread(steps), _spread(eager_steps)) if s is not None]
+    spread = max(spreads) if spreads else None
+    rows_run = engine.rows_for(B)
+    if dispatcher.drops:
+        cap_used = drops["capacity_used"]
+        cap_buffer = dispatcher.capacity_for(rows_run, built.adapter.top_k(model.config), state.num_experts)
+    else:
+        cap_used = cap_buffer = None
+
+    d = dispatcher.describe()
+    out: dict = {
+        "model": built.name, "family": built.family, "num_layers": len(built.adapter.layers(model)),
+        "num_experts": state.num_experts, "top_k": built.adapter.top_k(model.config),
+        "dtype": str(built.dtype).replace("torch.", ""), "device": dev.type,
+        "strategy": plan.strategy.name, "strategy_layers": plan.strategy_layers,
+        "dispatch": d["dispatch"], "capacity_factor": d["capacity_factor"], "drop_policy": d["drop_policy"],
+        "prefill_dispatch": plan.prefill_dispatcher.name if plan.prefill_dispatcher else d["dispatch"],
+        "router_skew": mp.router_skew, "kernels": stats["kernels"], "kernel_backend": stats["kernel_backend"],
+        "batch_size": B, "bucket": rows_run if stats["captured"] else None,
+        "prompt_len": plan.prompt_len, "new_tokens": plan.new_tokens, "max_cache_len": plan.max_cache_len,
+        "seed": plan.seed, "prompts": plan.prompts_kind, "capacity": cap_used, "capacity_buffer": cap_buffer,
+        "captured": stats["captured"], "capture_backend": stats["capture_backend"], "compiled": stats["compiled"],
+        "capture_s": stats["capture_s"], "graph_mem_mib": stats["graph_mem_mib"], "graphs": stats["graphs"],
+        "capture_buckets": {str(k): v for k, v in stats["buckets"].items()},
+        "ms_per_token_p50": p50, "ms_per_token_p90": percentile(steps, 0.9),
+        "latency_spread": spread, "latency_noisy": bool(spread is not None and spread > NOISY_SPREAD),
+        "tokens_per_s": B * 1e3 / p50 if p50 == p50 and p50 > 0 else None,
+        "step_ms": first_res.step_ms, "prefill_ms": first_res.prefill_ms,
+        "eager_ms_per_token_p50": eager_p50,
+        "speedup_vs_eager": None if same_path or not eager_p50 or not p50 > 0 else eager_p50 / p50,
+        "peak_mem_mib": (torch.cuda.max_memory_allocated(dev) if cuda else
+                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20,
+        "peak_mem_kind": "cuda_allocated" if cuda else "process_rss",
+        "memory_estimate_mib": plan.memory_bytes / 2**20, "build_s": built.build_s,
+        "floor_ms": floor_ms, "floor_ratio": p50 / floor_ms if floor_ms else None,
+        "hbm_bandwidth_gbps": m.hbm_bandwidth_gbps, "bandwidth_source": m.bandwidth_source,
+        "drop_rate": drops["drop_rate"], "dropped_prob_mass": drops["dropped_prob_mass"],
+        "tokens_lost_all_rate": drops["tokens_lost_all_rate"],
+        "per_layer_drop_rate": drops["per_layer_drop_rate"], "per_expert_drop_rate": drops["per_expert_drop_rate"],
+        "routed_assignments": drops["routed_assignments"], "dropped_assignments": drops["dropped_assignments"],
+        "expert_load_imbalance": drops["expert_load_imbalance"],
+        "per_layer_load_imbalance": drops["per_layer_load_imbalance"],
+        "token_agreement_vs_eager": None, "max_logit_diff_vs_eager": None, "token_agreement_forced_vs_eager": None,
+    }
+    if out["latency_noisy"]:
+        phases.say(f"warning: latency p90/p50 = {spread:.2f}: the steps were not steady (busy machine?); "
+                   "re-run before quoting ms_per_token")
+    if ref is not None:
+        agree, diff = logit_agreement(ref, res, keep)
+        out["token_agreement_vs_eager"], out["max_logit_diff_vs_eager"] = agree, diff
+        # teacher-forced: every step gets eager's tokens as input, so one early flip does not fail every later one
+        out["token_agreement_forced_vs_eager"] = agreement(ref.tokens, res.tokens, forced.tokens)[1]
+    if m.heldout_bpb:
+        with phases("quality", f"held-out bits per byte ({m.heldout_bytes} bytes), this dispatch and dropless"):
+            out.update(_quality(m.heldout_bytes, model, dispatcher))
+    else:
+        out.update(heldout_bpb=None, heldout_bpb_delta_vs_dropless=None)
+    out.update(env_fields())
+    out["status"], out["config"] = "ok", None
+    cap.unwrap()
+    detach(model)
+    return ok_record(out)
+
+
+def _quality(n: int, model, dispatcher) -> dict:
+    """Held-out bits-per-byte under the run's dispatch and its delta vs dropless (byte-level models only)."""
+    from moecg.quality import heldout_bpb
+
+    state_of(model).n_rows = None  # teacher-forced windows: every row is real
+    bpb = heldout_bpb(model, max_bytes=n)
+    detach(model)
+    attach(model, make_dispatcher("dropless"))
+    base = heldout_bpb(model, max_bytes=n)
+    detach(model)
+    attach(model, dispatcher)
+    return {"heldout_bpb": bpb, "heldout_bpb_delta_vs_dropless": bpb - base}

@@ -1,0 +1,397 @@
+"""The run plan: a Hydra config resolved once, validated before any CUDA work, frozen, and passed down.
+
+Everything a run needs to decide is decided here: the model's HF config (from the preset or the checkpoint's
+config.json, without building weights), the strategy and its per-layer scopes, the buckets and the rows run,
+the cache length, the dispatcher and its declared capabilities, the capture and measurement options, the
+prompts, and whether it fits this machine's memory. Every error names the config key and the fix
+(`PlanError`); options that do not apply to the chosen dispatcher or strategy are refused, not ignored.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moecg.capture.buckets import bucket_for, validate_buckets
+from moecg.capture.plan import StrategyError, StrategySpec, validate
+from moecg.dispatch import REGISTRY, Dispatcher, make_dispatcher
+
+KERNELS = ("hf", "fused")
+BACKENDS = ("auto", "cuda", "emulate", "none")
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+PROMPTS = ("random", "heldout", "file")
+MEMORY_HEADROOM = 0.85  # refuse a run whose estimate exceeds this share of the memory available now
+
+
+class PlanError(ValueError):
+    """A config that cannot run: the message names the key and the fix."""
+
+
+# -- typed reads ------------------------------------------------------------------------------------------------
+def _int(value, key: str, lo: int | None = None, example=None) -> int:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok and isinstance(value, float) and value.is_integer():
+        value, ok = int(value), True
+    if not ok or (lo is not None and value < lo):
+        bound = f" >= {lo}" if lo is not None else ""
+        raise PlanError(f"{key}={value!r}: must be an integer{bound} (e.g. {key}={example if example is not None else max(lo or 0, 1)})")
+    return value
+
+
+def _float(value, key: str, lo: float | None = None, strict: bool = False, example=None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanError(f"{key}={value!r}: must be a number (e.g. {key}={example if example is not None else 1.0})")
+    value = float(value)
+    bad = not math.isfinite(value) or (lo is not None and (value <= lo if strict else value < lo))
+    if bad:
+        rel = ">" if strict else ">="
+        raise PlanError(f"{key}={value!r}: must be a finite number {rel} {lo} (e.g. {key}={example})")
+    return value
+
+
+def _bool(value, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise PlanError(f"{key}={value!r}: must be true or false")
+    return value
+
+
+def _choice(value, key: str, choices) -> str:
+    if value not in choices:
+        raise PlanError(f"{key}={value!r}: choose one of {', '.join(map(str, choices))}")
+    return value
+
+
+# -- the plan -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelPlan:
+    preset: str | None
+    pretrained_path: str | None
+    num_layers: int | None  # the override (None: the checkpoint's or preset's depth)
+    dtype: str
+    router_skew: float
+    attn_implementation: str
+    family: str
+    config: object = field(repr=False, compare=False)  # the HF config the model will be built from
+    layers: int = 0  # decoder layers the model will have
+
+
+@dataclass(frozen=True)
+class MeasurePlan:
+    repeats: int
+    skip_steps: int
+    eager_baseline: bool
+    fidelity: bool
+    fidelity_rows: int
+    hbm_bandwidth_gbps: float | None  # None: unknown for this device (no floor)
+    bandwidth_source: str  # "config" | "device table" | "unknown"
+    heldout_bpb: bool
+    heldout_bytes: int
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    model: ModelPlan
+    device: torch.device
+    dtype: torch.dtype
+    strategy: StrategySpec
+    strategy_layers: str | None
+    scopes: tuple[str, ...] | None  # per decoder layer, for per-layer strategies
+    dispatcher: Dispatcher
+    prefill_dispatcher: Dispatcher | None
+    buckets: tuple[int, ...]
+    batch_size: int
+    bucket: int | None  # rows a captured step runs (None: no graphs, or above the largest bucket)
+    max_rows: int  # rows the engine's cache holds
+    prompt_len: int
+    new_tokens: int
+    max_cache_len: int
+    seed: int
+    prompts_kind: str
+    prompts: torch.Tensor = field(repr=False, compare=False)  # [B, S] int64 on the host
+    capture_backend: str = "auto"  # as configured; `captures` says whether graphs will be made
+    captures: bool = False  # graphs will be captured (a graph strategy and a backend that can capture)
+    warmup: int = 3
+    compile: bool = False
+    compile_mode: str = "default"
+    kernels: str = "hf"
+    kernel_backend: str = "auto"
+    measure: MeasurePlan | None = None
+    memory_bytes: int = 0  # estimate: weights + KV caches + the largest transient
+    decode_steps: int = 0  # decode steps the whole run executes (every repeat, baseline and fidelity pass)
+
+    def describe(self) -> str:
+        d = self.dispatcher
+        opts = ", ".join(f"{k}={getattr(d, k)}" for k in d.options())
+        return (f"{self.model.preset or self.model.pretrained_path} ({self.model.family}, {self.model.layers} layers, "
+                f"{self.dtype}) on {self.device.type} | strategy={self.strategy.name}"
+                f"{' kernels=' + self.kernels if self.kernels != 'hf' else ''} | dispatch={d.name}"
+                f"{' (' + opts + ')' if opts else ''} | batch {self.batch_size}"
+                f"{' in bucket ' + str(self.bucket) if self.bucket else ''} | prompt {self.prompt_len} + "
+                f"{self.new_tokens} new | ~{self.decode_steps} decode steps | ~{self.memory_bytes / 2**30:.2f} GiB")
+
+
+# -- resolution ---------------------------------------------------------------------------------------------------
+def resolve_plan(cfg) -> RunPlan:
+    """Validate the whole config (no CUDA kernels run) and return the frozen plan."""
+    from moecg.models import resolve_device, resolve_dtype
+
+    batch = _int(cfg.batch_size, "batch_size", 1, 4)
+    prompt_len = _int(cfg.prompt_len, "prompt_len", 1, 16)
+    new_tokens = _int(cfg.new_tokens, "new_tokens", 1, 32)
+    seed = _int(cfg.seed, "seed", None, 0)
+    max_cache_len = prompt_len + new_tokens if cfg.max_cache_len is None else \
+        _int(cfg.max_cache_len, "max_cache_len", 1, prompt_len + new_tokens)
+    if prompt_len + new_tokens > max_cache_len:
+        raise PlanError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds max_cache_len={max_cache_len}: "
+                        "raise max_cache_len (or leave it null) or lower new_tokens")
+    try:
+        device = resolve_device(cfg.device)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+    model = _model_plan(cfg.model)
+    try:
+        dtype = resolve_dtype(cfg.model.dtype, device)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+    # dispatcher: options it does not read are refused; values are type-checked against its fields
+    d = cfg.dispatch
+    name = d.name
+    if name not in REGISTRY:
+        raise PlanError(f"dispatch={name!r}: choose one of {', '.join(sorted(REGISTRY))}")
+    try:
+        dispatcher = make_dispatcher(name, **{k: v for k, v in dict(d).items() if k not in ("name", "prefill")})
+    except (ValueError, TypeError) as e:
+        raise PlanError(str(e)) from None
+    prefill = d.get("prefill", "same")
+    if prefill in (None, "same", name):
+        prefill_dispatcher = None
+    elif prefill in REGISTRY:
+        prefill_dispatcher = make_dispatcher(prefill)
+    else:
+        raise PlanError(f"dispatch.prefill={prefill!r}: choose same or one of {', '.join(sorted(REGISTRY))}")
+
+    # strategy x dispatch x layers
+    layers_spec = cfg.strategy.get("layers")
+    try:
+        spec, scopes = validate(cfg.strategy.name, dispatcher, model.layers, layers_spec)
+    except StrategyError as e:
+        raise PlanError(str(e)) from None
+
+    # capture
+    c = cfg.capture
+    try:
+        buckets = validate_buckets(c.buckets)
+    except (ValueError, TypeError) as e:
+        raise PlanError(str(e)) from None
+    backend = _choice(c.backend, "capture.backend", BACKENDS)
+    if backend == "cuda" and device.type != "cuda":
+        raise PlanError("capture.backend=cuda needs a CUDA device: use capture.backend=auto (or emulate on CPU)")
+    warmup = _int(c.warmup, "capture.warmup", 1, 3)
+    compile_ = _bool(c.compile, "capture.compile")
+    compile_mode = _choice(c.compile_mode, "capture.compile_mode", COMPILE_MODES)
+    if not compile_ and compile_mode != "default":
+        raise PlanError(f"capture.compile_mode={compile_mode} only applies with capture.compile=true")
+    kernels = _choice(c.kernels, "capture.kernels", KERNELS)
+    kernel_backend = _choice(c.kernel_backend, "capture.kernel_backend", KERNEL_BACKENDS)
+    if kernels == "hf" and kernel_backend != "auto":
+        raise PlanError(f"capture.kernel_backend={kernel_backend} only applies with capture.kernels=fused")
+    if kernels == "fused":
+        if spec.scope not in ("step", "eager"):
+            raise PlanError(f"capture.kernels=fused replaces the whole decoder stack at decode, so it combines with "
+                            f"strategy=full, capacity or eager, not strategy={spec.name}: use capture.kernels=hf")
+        if compile_:
+            raise PlanError("capture.kernels=fused and capture.compile=true exclude each other: pick one")
+        if kernel_backend == "triton" and device.type != "cuda":
+            raise PlanError("capture.kernel_backend=triton needs CUDA: use capture.kernel_backend=auto on CPU")
+    if spec.scope == "eager" and compile_:
+        raise PlanError("capture.compile=true compiles the captured pieces, and strategy=eager captures none: "
+                        "pick a graph strategy or drop capture.compile")
+    _check_family(model, kernels)
+
+    resolved_backend = ("cuda" if device.type == "cuda" else "none") if backend == "auto" else backend
+    captures = spec.scope != "eager" and resolved_backend != "none"
+    bucket = bucket_for(batch, buckets) if captures else None
+    max_rows = max(bucket or batch, batch)
+
+    measure = _measure_plan(cfg.measure, device, model, new_tokens)
+    prompts_kind = _choice(cfg.get("prompts", "random"), "prompts", PROMPTS)
+    if prompts_kind != "file" and cfg.get("prompt_file"):
+        raise PlanError(f"prompt_file is only read with prompts=file (got prompts={prompts_kind}): "
+                        "add prompts=file or drop prompt_file")
+    from moecg.prompts import make_prompts
+
+    prompts = make_prompts(prompts_kind, batch, prompt_len, seed, model.config.vocab_size, cfg.get("prompt_file"))
+
+    passes = (measure.repeats + 1) * (2 if measure.eager_baseline and spec.scope != "eager" else 1) \
+        + (3 if measure.fidelity else 0) + 1
+    plan = RunPlan(
+        model=model, device=device, dtype=dtype, strategy=spec, strategy_layers=layers_spec,
+        scopes=tuple(scopes) if scopes is not None else None, dispatcher=dispatcher,
+        prefill_dispatcher=prefill_dispatcher, buckets=buckets, batch_size=batch, bucket=bucket, max_rows=max_rows,
+        prompt_len=prompt_len, new_tokens=new_tokens, max_cache_len=max_cache_len, seed=seed,
+        prompts_kind=prompts_kind, prompts=prompts, capture_backend=backend, captures=captures, warmup=warmup,
+        compile=compile_, compile_mode=compile_mode, kernels=kernels, kernel_backend=kernel_backend,
+        measure=measure, memory_bytes=0, decode_steps=passes * max(new_tokens - 1, 1),
+    )
+    need = estimate_memory(plan)
+    object.__setattr__(plan, "memory_bytes", need)
+    check_fits(plan)
+    return plan
+
+
+def _model_plan(m) -> ModelPlan:
+    from moecg.models import PRESETS, make_config
+    from moecg.models.zoo import family_of_config
+
+    preset, path = m.preset, m.pretrained_path
+    num_layers = None if m.num_layers is None else _int(m.num_layers, "model.num_layers", 1, 2)
+    skew = _float(m.router_skew, "model.router_skew", 0.0, example=0.1)
+    if path:
+        p = Path(str(path)).expanduser()
+        if not (p / "config.json").is_file():
+            what = "is not a directory" if not p.is_dir() else "has no config.json"
+            raise PlanError(f"model.pretrained_path={path}: {what}; give a local directory written by "
+                            "save_pretrained (models cannot be downloaded here)")
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(str(p), local_files_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise PlanError(f"model.pretrained_path={path}: cannot read its config.json ({type(e).__name__}: {e})")
+        if num_layers is not None:
+            config.num_hidden_layers = num_layers
+        path = str(p)
+    else:
+        if preset is None:
+            raise PlanError("model.preset is null and no model.pretrained_path: pick model=<preset> "
+                            f"({', '.join(sorted(PRESETS))}) or model=local model.pretrained_path=/dir")
+        if preset not in PRESETS:
+            raise PlanError(f"model.preset={preset!r}: choose one of {', '.join(sorted(PRESETS))}")
+        from moecg.models import shipped_checkpoint
+
+        config = make_config(preset, num_layers)
+        if shipped_checkpoint(preset):
+            path = None  # build_model finds the shipped weights itself
+    try:
+        family = family_of_config(config)
+    except ValueError as e:
+        raise PlanError(f"model: {e}") from None
+    return ModelPlan(preset, path, num_layers, m.dtype, skew, m.attn_implementation, family, config,
+                     int(config.num_hidden_layers))
+
+
+def _check_family(model: ModelPlan, kernels: str) -> None:
+    """The family adapter's own audit of the config (features a path does not model are refused there)."""
+    from moecg.models.adapter import ADAPTERS
+
+    ad = ADAPTERS[model.family]
+    check = getattr(ad, "check_supported", None)
+    if check is not None:
+        try:
+            check(model.config, kernels)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+
+
+def _measure_plan(m, device, model: ModelPlan, new_tokens: int) -> MeasurePlan:
+    from moecg.floor import device_bandwidth_gbps
+
+    bw = m.hbm_bandwidth_gbps
+    if bw in (None, "auto"):
+        bw, source = device_bandwidth_gbps(device)
+    else:
+        bw, source = _float(bw, "measure.hbm_bandwidth_gbps", 0.0, strict=True, example=4300), "config"
+    want = m.heldout_bpb
+    byte_level = model.config.vocab_size == 256
+    if want == "auto":
+        heldout = byte_level
+    else:
+        heldout = _bool(want, "measure.heldout_bpb")
+        if heldout and not byte_level:
+            raise PlanError(f"measure.heldout_bpb=true needs a byte-level model (vocab_size 256; this one has "
+                            f"{model.config.vocab_size}): use a *_stdlib model or measure.heldout_bpb=auto")
+    repeats = _int(m.repeats, "measure.repeats", 1, 3)
+    skip = _int(m.skip_steps, "measure.skip_steps", 0, 2)
+    if skip >= new_tokens - 1 and new_tokens > 1:
+        raise PlanError(f"measure.skip_steps={skip} leaves none of the {new_tokens - 1} decode steps to time: "
+                        f"lower measure.skip_steps or raise new_tokens")
+    return MeasurePlan(
+        repeats=repeats, skip_steps=skip, eager_baseline=_bool(m.eager_baseline, "measure.eager_baseline"),
+        fidelity=_bool(m.fidelity, "measure.fidelity"), fidelity_rows=_int(m.fidelity_rows, "measure.fidelity_rows", 0, 8),
+        hbm_bandwidth_gbps=bw, bandwidth_source=source, heldout_bpb=heldout,
+        heldout_bytes=_int(m.heldout_bytes, "measure.heldout_bytes", 2, 16384),
+    )
+
+
+# -- memory ---------------------------------------------------------------------------------------------------------
+def _param_bytes(config, dtype_bytes: int) -> tuple[int, int]:
+    """(all parameters, one decoder layer's) in bytes, counted on the meta device (no memory, no init)."""
+    from moecg.models.zoo import FAMILIES, family_of_config
+
+    _, cls = FAMILIES[family_of_config(config)]
+    with torch.device("meta"):
+        m = cls(config)
+    total = sum(p.numel() for p in m.parameters())
+    per_layer = max(sum(p.numel() for p in layer.parameters()) for layer in m.model.layers)
+    return total * dtype_bytes, per_layer * dtype_bytes
+
+
+def _kv_bytes_per_layer(plan: RunPlan, dtype_bytes: int) -> int:
+    cfg = plan.model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * plan.max_rows * cfg.num_key_value_heads * head_dim * plan.max_cache_len * dtype_bytes
+
+
+def estimate_memory(plan: RunPlan) -> int:
+    """Bytes the run holds at its peak: weights, the KV caches of the reference and measured engines, logits."""
+    nbytes = torch.empty((), dtype=plan.dtype).element_size()
+    weights, _ = _param_bytes(plan.model.config, nbytes)
+    engines = 2 if plan.measure.fidelity else 1
+    kv = engines * plan.model.layers * _kv_bytes_per_layer(plan, nbytes)
+    cfg = plan.model.config
+    # prefill transient: hidden states and the MLP's widest activation for every prompt token, fp32 logits kept
+    width = max(getattr(cfg, "intermediate_size", 0), getattr(cfg, "moe_intermediate_size", 0) or 0) * 2
+    transient = plan.max_rows * plan.prompt_len * (cfg.hidden_size * 4 + width) * 4
+    logits = plan.max_rows * cfg.vocab_size * 4 * (plan.new_tokens + 2)
+    return int(weights + kv + transient + logits)
+
+
+def available_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(plan: RunPlan, available: int | None = None) -> None:
+    """Refuse a run that cannot fit this machine's memory, with what it needs and the override that fits."""
+    avail = available_memory(plan.device) if available is None else available
+    if avail is None or plan.memory_bytes <= MEMORY_HEADROOM * avail:
+        return
+    nbytes = torch.empty((), dtype=plan.dtype).element_size()
+    weights, per_layer = _param_bytes(plan.model.config, nbytes)
+    engines = 2 if plan.measure.fidelity else 1
+    per_layer_total = per_layer + engines * _kv_bytes_per_layer(plan, nbytes)
+    fixed = plan.memory_bytes - plan.model.layers * per_layer_total
+    fit = int((MEMORY_HEADROOM * avail - fixed) // per_layer_total) if per_layer_total else 0
+    fix = (f"model.num_layers={fit} fits" if fit >= 1 else
+           "no depth fits: use a smaller preset or a machine with more memory")
+    where = "GPU" if plan.device.type == "cuda" else "CPU RAM"
+    raise PlanError(f"this run needs about {plan.memory_bytes / 2**30:.1f} GiB ({plan.model.layers} layers, "
+                    f"{plan.dtype}, batch {plan.max_rows}, cache {plan.max_cache_len}) but {avail / 2**30:.1f} GiB of "
+                    f"{where} is available: {fix}")

@@ -1,0 +1,170 @@
+"""The results schema, defined once: results.json, the run summary, `moecg.analysis` and the README table all
+read this list (`python -m moecg.schema` prints the README table; a test checks the README holds it).
+
+Flags: `summary` rows of the printed run summary, `analysis` columns of `moecg.analysis`'s table, `axis` sweep
+axes (always columns, filled from the config for failed jobs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    group: str
+    doc: str
+    summary: bool = False
+    analysis: bool = False
+    axis: bool = False
+
+
+_S, _A, _X = "summary", "analysis", "axis"
+
+
+def _f(name, group, doc, *flags):
+    return Field(name, group, doc, _S in flags, _A in flags, _X in flags)
+
+
+FIELDS: tuple[Field, ...] = (
+    # what ran
+    _f("model", "what", "preset name, or the checkpoint directory's name for model=local", _S, _A, _X),
+    _f("family", "what", "mixtral | qwen2_moe | qwen3_moe"),
+    _f("num_layers", "what", "decoder layers"),
+    _f("num_experts", "what", "routed experts per MoE layer"),
+    _f("top_k", "what", "experts per token"),
+    _f("dtype", "what", "weights and activations"),
+    _f("device", "what", "cpu | cuda"),
+    # how
+    _f("strategy", "how", "eager | partial | layer | full | capacity | mixed", _S, _A, _X),
+    _f("strategy_layers", "how", "strategy=mixed: the per-layer scopes as given"),
+    _f("dispatch", "how", "dynamic | dropless | fused | capacity", _S, _A, _X),
+    _f("capacity_factor", "how", "dispatch=capacity only (null otherwise)", _S, _A, _X),
+    _f("drop_policy", "how", "dispatch=capacity only: probs | position", _A, _X),
+    _f("prefill_dispatch", "how", "the eager prefill's dispatcher (dispatch.prefill)"),
+    _f("router_skew", "how", "model.router_skew"),
+    _f("kernels", "how", "capture.kernels: hf (HF's modules) | fused (moecg.fast's decode step)", _S),
+    _f("kernel_backend", "how", "kernels=fused: which ops ran (triton | torch); null for hf"),
+    # workload
+    _f("batch_size", "workload", "real rows", _S, _A, _X),
+    _f("bucket", "workload", "rows a captured step runs (the batch padded up); null without graphs", _S),
+    _f("prompt_len", "workload", "prompt tokens per row"),
+    _f("new_tokens", "workload", "tokens generated per row (the first by the prefill)"),
+    _f("max_cache_len", "workload", "KV cache slots per row"),
+    _f("seed", "workload", "weights, router skew and random prompts"),
+    _f("prompts", "workload", "random | heldout | file"),
+    _f("capacity", "workload", "capacity only: mean C applied per MoE call during decode, from the device "
+       "counters: Megatron's formula on the real tokens, whatever the bucket", _S),
+    _f("capacity_buffer", "workload", "capacity only: slots per expert the decode buffers hold (C of the bucket)"),
+    # capture
+    _f("captured", "capture", "whether CUDA (or emulated) graphs were captured", _S),
+    _f("capture_backend", "capture", "cuda | emulate | none"),
+    _f("compiled", "capture", "capture.compile took effect"),
+    _f("capture_s", "capture", "seconds to capture every bucket", _S),
+    _f("graph_mem_mib", "capture", "graph memory pool growth over all buckets", _S),
+    _f("graphs", "capture", "graphs captured"),
+    _f("capture_buckets", "capture", "per bucket: {capture_s, graph_mem_mib, replays, graphs}"),
+    # latency
+    _f("ms_per_token_p50", "latency", "median decode-step time (CUDA events on a GPU, after a warm generate; the "
+       "first measure.skip_steps steps of each repeat dropped)", _S, _A),
+    _f("ms_per_token_p90", "latency", "90th percentile of the same steps", _S),
+    _f("latency_spread", "latency", "p90 / p50 of the steps (the larger of the run's and its eager baseline's)"),
+    _f("latency_noisy", "latency", "latency_spread above 1.5: the machine was busy or the clock is coarse; "
+       "re-run before quoting the latency", _S),
+    _f("tokens_per_s", "latency", "batch_size / p50", _S),
+    _f("step_ms", "latency", "every step of the first timed repeat"),
+    _f("prefill_ms", "latency", "the first timed repeat's prefill, wall clock"),
+    _f("eager_ms_per_token_p50", "latency", "strategy=eager with the same dispatch, same run", _S),
+    _f("speedup_vs_eager", "latency", "eager p50 / p50; null where the run executed the baseline's own path "
+       "(no graphs and HF's modules: nothing to compare)", _S, _A),
+    # memory
+    _f("peak_mem_mib", "memory", "peak memory of the run: CUDA allocator peak on a GPU, the process's peak "
+       "resident set on CPU (see peak_mem_kind)"),
+    _f("peak_mem_kind", "memory", "cuda_allocated | process_rss"),
+    _f("memory_estimate_mib", "memory", "the run plan's estimate (weights + KV caches + transients), checked "
+       "against free memory before the model is built"),
+    _f("build_s", "memory", "seconds to build (or load) the model"),
+    # floor
+    _f("floor_ms", "floor", "HBM floor: bytes one step must read (non-expert weights + experts one counted step "
+       "hits, all E for a dispatcher that reads every expert, + live KV) / bandwidth; null where the bandwidth "
+       "is unknown", _S),
+    _f("floor_ratio", "floor", "ms_per_token_p50 / floor_ms", _S),
+    _f("hbm_bandwidth_gbps", "floor", "the bandwidth used: measured per device (moecg.floor), or "
+       "measure.hbm_bandwidth_gbps; null where unknown (CPUs)"),
+    _f("bandwidth_source", "floor", "device table | config | unknown"),
+    # drops (decode steps; the prefill is not counted)
+    _f("drop_rate", "drops", "dropped / routed assignments over decode steps", _S, _A),
+    _f("dropped_prob_mass", "drops", "routing weight dropped / routed", _S),
+    _f("tokens_lost_all_rate", "drops", "tokens that lost all K experts / tokens"),
+    _f("per_layer_drop_rate", "drops", "per MoE layer"),
+    _f("per_expert_drop_rate", "drops", "per expert, all layers"),
+    _f("routed_assignments", "drops", "token-expert assignments of real rows"),
+    _f("dropped_assignments", "drops", "of those, dropped"),
+    # load
+    _f("expert_load_imbalance", "load", "max/mean expert load, mean over layers (1 = balanced, E/K = one hot "
+       "expert set)", _S),
+    _f("per_layer_load_imbalance", "load", "per MoE layer"),
+    # fidelity
+    _f("token_agreement_vs_eager", "fidelity", "greedy tokens equal to dropless eager on the same prompts", _S, _A),
+    _f("token_agreement_forced_vs_eager", "fidelity", "teacher-forced: every step fed eager's token", _S),
+    _f("max_logit_diff_vs_eager", "fidelity", "over steps before a row's first divergence, first "
+       "measure.fidelity_rows rows", _S),
+    # quality
+    _f("heldout_bpb", "quality", "byte-level models: teacher-forced bits per byte of the shipped held-out text "
+       "under this dispatch", _S),
+    _f("heldout_bpb_delta_vs_dropless", "quality", "heldout_bpb minus dropless's", _S, _A),
+    # environment
+    _f("device_name", "env", "GPU name or CPU"),
+    _f("torch_version", "env", ""),
+    _f("transformers_version", "env", ""),
+    _f("moecg_version", "env", ""),
+    _f("git_sha", "env", "commit (MOECG_GIT_SHA where the tree has no .git)"),
+    _f("timestamp", "env", "UTC"),
+    _f("status", "env", "ok | failed", _A),
+    _f("config", "env", "the resolved Hydra config"),
+)
+
+# Written only by failed jobs, beside status, config and the axes they could read.
+FAILED_FIELDS: tuple[Field, ...] = (
+    Field("error", "failure", "one line: what failed and the fix"),
+    Field("phase", "failure", "the phase it failed in (plan, build, reference, baseline, capture, timed, "
+          "fidelity, floor, quality)"),
+    Field("traceback", "failure", "the full traceback"),
+)
+
+NAMES = tuple(f.name for f in FIELDS)
+BY_NAME = {f.name: f for f in FIELDS + FAILED_FIELDS}
+SUMMARY = tuple(f.name for f in FIELDS if f.summary)
+ANALYSIS = tuple(f.name for f in FIELDS if f.analysis)
+AXES = tuple(f.name for f in FIELDS if f.axis)
+
+
+class SchemaError(KeyError):
+    pass
+
+
+def ok_record(values: dict) -> dict:
+    """A results dict in schema order; every field present (null where it does not apply), nothing else."""
+    missing = [n for n in NAMES if n not in values]
+    extra = [k for k in values if k not in BY_NAME]
+    if missing or extra:
+        raise SchemaError(f"results do not match moecg.schema: missing {missing}, unknown {extra}")
+    return {n: values[n] for n in NAMES}
+
+
+def failed_record(error: str, phase: str, traceback: str, config: dict, axes: dict) -> dict:
+    rec = {k: v for k, v in axes.items() if k in NAMES}
+    rec.update(status="failed", error=error, phase=phase, traceback=traceback, config=config)
+    return rec
+
+
+def markdown_table() -> str:
+    """The README's results-schema table."""
+    lines = ["| field | group | meaning |", "|---|---|---|"]
+    for f in FIELDS + FAILED_FIELDS:
+        lines.append(f"| `{f.name}` | {f.group} | {f.doc} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
