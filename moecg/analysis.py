@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from moecg import schema
 from moecg.dispatch.capacity import capacity
 
-TABLE = ["model", "strategy", "dispatch", "capacity_factor", "drop_policy", "batch_size", "status",
-         "ms_per_token_p50", "speedup_vs_eager", "drop_rate", "token_agreement_vs_eager",
-         "heldout_bpb_delta_vs_dropless"]
-AXES = ["model", "strategy", "dispatch", "capacity_factor", "drop_policy", "batch_size"]  # always columns
+TABLE = list(schema.ANALYSIS)  # the table's columns and the sweep axes come from the one results schema
+AXES = list(schema.AXES)  # always columns
 SKIP_DIRS = {"wandb", ".hydra", ".git"}  # wandb-summary.json repeats a run's fields: never read it as a result
 
 
@@ -104,7 +103,7 @@ def uniform_drop_rate(num_tokens: int, top_k: int, num_experts: int, capacity_fa
     independent), so expected dropped = E * E[max(X - C, 0)] and the rate divides by the fixed T*K.
     Exact sum over the pmf in log space: (1 - K/E)^T underflows a float long before T = 4096.
     """
-    T, K, E = num_tokens, top_k, num_experts
+    T, K, E = num_tokens, top_k, num_experts  # T: the real tokens (the threshold ignores bucket padding)
     if not 0 < K <= E or T < 1:
         raise ValueError(f"need 1 <= top_k <= num_experts and num_tokens >= 1, got T={T}, K={K}, E={E}")
     C = capacity(T, K, E, capacity_factor, min_capacity)

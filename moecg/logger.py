@@ -26,7 +26,7 @@ class WandbLogger:
         os.environ.setdefault("WANDB_SILENT", "true")
         group = lc.get("group") or _sweep_group()
         name = f"{cfg.model.preset or 'local'}-{cfg.strategy.name}-{cfg.dispatch.name}-bs{cfg.batch_size}"
-        if cfg.dispatch.name == "capacity":
+        if cfg.dispatch.get("capacity_factor") is not None:
             name += f"-cf{cfg.dispatch.capacity_factor}"
         self.wandb = wandb
         self.run = wandb.init(project=lc.project, entity=lc.get("entity"), mode=lc.get("mode", "offline"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 
@@ -78,6 +79,7 @@ class Capture:
             self.fast = FastDecode(model, kernel_backend)  # checks the model first, before any CUDA work
         self.layer_graphs: LayerGraphs | None = None
         self._warned_big = False
+        self._layer_now = None
         self.applied = False
 
     @property
@@ -140,7 +142,7 @@ class Capture:
                     state.set_rows(b, b)
                     eng.ids[:b].zero_()
                     if self.spec.scope == "step":
-                        with state.rows(b):
+                        with state.rows(b), self._track_layer():
                             entry = self.runner.capture(b, lambda ids, b=b: eng.eager_step(ids, b), [eng.ids])
                         entry.meta.update(rows=b, layer="all", scope="step")
                     else:
@@ -150,12 +152,36 @@ class Capture:
                         finally:
                             self.layer_graphs.end_pass()
             except Exception as e:  # noqa: BLE001 - re-raised with the context a user needs
-                layer = getattr(e, "layer", "see traceback")
+                layer = getattr(e, "layer", None)
+                if layer is None:
+                    layer = self._layer_now if self._layer_now is not None else "before the first decoder layer"
                 raise CaptureError(f"capture failed: strategy={self.spec.name}, bucket={b}, layer={layer}, "
                                    f"dispatch={state.dispatcher.name}: {type(e).__name__}: {e}\n{_FIXES}") from e
         # pitfall 5: the captured graphs start from an empty cache
         eng.cache.reset()
         state.reset()
+
+    @contextmanager
+    def _track_layer(self):
+        """During a whole-step capture, remember which decoder layer is running, so a failure names it."""
+        self._layer_now = None
+        layers = self.adapter.layers(self.engine.model)
+
+        def mark(i):
+            def hook(*_):
+                self._layer_now = i
+            return hook
+
+        handles = [layer.register_forward_pre_hook(mark(i)) for i, layer in enumerate(layers)]
+        if self.fast is not None:
+            self.fast.on_layer = lambda i: setattr(self, "_layer_now", i)
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            if self.fast is not None:
+                self.fast.on_layer = None
 
     def _compiled(self, fn):
         return torch.compile(fn, mode=self.compile_mode, dynamic=False)

@@ -113,7 +113,11 @@ class LayerGraphs:
             a, kw = tree_unflatten(filled, spec)
             return orig(*a, **kw)
 
-        entry = self.runner.capture(key, fn, statics)
+        try:
+            entry = self.runner.capture(key, fn, statics)
+        except Exception as e:
+            e.layer = idx  # Capture's error names the layer whose graph failed
+            raise
         entry.meta.update(statics=statics, rows=first.shape[0], layer=idx,
                           consts={j: leaves[j] for j in range(len(leaves)) if j not in pos})
         for out in tree_flatten(entry.outputs)[0]:
