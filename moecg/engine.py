@@ -5,9 +5,18 @@ The engine owns the loop; a capture strategy only replaces `step_impl` (the whol
 modules of the model (single layers). Rows are "slots" in one StaticCache sized for the largest row count:
 a forward over B rows uses a view of the first B rows, so a batch that shrinks is compacted to the front and
 simply runs on fewer rows (a smaller bucket) with no new allocation and no re-capture.
+
+Every cache layer is a linear StaticLayer of max_cache_len slots, sliding-window layers included: slot = absolute
+position, one device position counter shared by all layers and views. HF's own StaticCache would give sliding
+layers a ring buffer (StaticSlidingWindowLayer) whose host-side length cannot be shared by row views, replayed by
+a CUDA graph or read by the fused step. The model still masks each sliding layer to its window: its
+create_sliding_window_causal_mask, given a cache without sliding layers, sizes the mask from layer 0 (the whole
+linear cache) and masks by absolute position, which is exact on a linear cache. Memory: max_cache_len slots per
+layer, as for full attention.
 """
 from __future__ import annotations
 
+import copy
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,8 +24,10 @@ from typing import Callable
 
 import torch
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 from moecg.dispatch import state_of
+from moecg.models.adapter import adapter_for
 
 
 class CacheOverflowError(ValueError):
@@ -24,16 +35,39 @@ class CacheOverflowError(ValueError):
 
 
 def _kv_shape(config):
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_key_value_heads, head_dim
+    return config.num_key_value_heads, adapter_for(config).head_dim(config)
+
+
+def linear_cache_config(config):
+    """A shallow copy of `config` that makes StaticCache build a full (linear) StaticLayer for every layer.
+
+    transformers 5.24's StaticCache picks each layer's class from `layer_types` (else from `sliding_window`); the
+    copy is only read there, the model keeps its own config (and so its sliding-window masks).
+    """
+    c = copy.copy(config)
+    c.layer_types = ["full_attention"] * config.num_hidden_layers
+    c.sliding_window = None
+    return c
+
+
+def _linear_static_cache(config, max_cache_len: int) -> StaticCache:
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer]
+    if bad:
+        raise RuntimeError(f"StaticCache built {bad} layers from a full-attention config: this transformers "
+                           "version chooses cache layers differently; RowCache needs linear StaticLayers")
+    return cache
 
 
 class RowCache:
-    """One StaticCache for `max_rows` rows plus aliasing views of its first B rows (shared length counters)."""
+    """One StaticCache for `max_rows` rows plus aliasing views of its first B rows (shared length counters).
+
+    All layers are linear StaticLayers of max_cache_len slots, sliding-window layers too (module docstring)."""
 
     def __init__(self, config, max_rows: int, max_cache_len: int, device, dtype):
         self.config, self.max_rows, self.max_cache_len = config, max_rows, max_cache_len
-        self.full = StaticCache(config=config, max_cache_len=max_cache_len)
+        self._cache_config = linear_cache_config(config)
+        self.full = _linear_static_cache(self._cache_config, max_cache_len)
         heads, head_dim = _kv_shape(config)
         self.full.early_initialization(max_rows, heads, head_dim, dtype, device)
         self._views: dict[int, StaticCache] = {max_rows: self.full}
@@ -42,7 +76,7 @@ class RowCache:
         if rows not in self._views:
             if rows > self.max_rows:
                 raise ValueError(f"{rows} rows exceed the cache's {self.max_rows}")
-            v = StaticCache(config=self.config, max_cache_len=self.max_cache_len)
+            v = _linear_static_cache(self._cache_config, self.max_cache_len)
             for lv, lf in zip(v.layers, self.full.layers):
                 lv.__dict__.update(lf.__dict__)
                 lv.keys, lv.values = lf.keys[:rows], lf.values[:rows]  # [B, H, L, Dh] views, fixed addresses
@@ -89,6 +123,7 @@ class DecodeEngine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_cache_len, self.max_rows = max_cache_len, max_rows
+        adapter_for(model).check_supported(model.config, "hf")  # a config moecg would decode wrongly: refused now
         self.cache = RowCache(model.config, max_rows, max_cache_len, self.device, self.dtype)
         self.ids = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] current tokens
         # Strategy hooks: `rows_for(n)` picks how many rows to run for n real ones; `step_impl` runs a step.
@@ -106,7 +141,9 @@ class DecodeEngine:
         ctx = state.rows(rows) if state is not None else _null()
         call = self.decode_forward if self.decode_forward is not None and ids.shape[1] == 1 else self.model
         with ctx:
-            out = call(input_ids=ids, cache=self.cache.view(rows), use_cache=True, logits_to_keep=1)
+            # output_router_logits=False: a config asking for router logits would add the aux loss to every step
+            out = call(input_ids=ids, cache=self.cache.view(rows), use_cache=True, logits_to_keep=1,
+                       output_router_logits=False)
         return out.logits[:, -1]  # [B, V]
 
     def eager_step(self, ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

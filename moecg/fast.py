@@ -28,10 +28,11 @@ import torch.nn.functional as F
 
 from moecg.dispatch import state_of
 from moecg.kernels import get_ops, ref
+from moecg.models.adapter import UnsupportedConfigError, adapter_for
 from moecg.models.skew import router_logit_bias
 
 
-class FastPathError(ValueError):
+class FastPathError(UnsupportedConfigError):
     pass
 
 
@@ -44,11 +45,12 @@ class _Layer:
     wqkv: torch.Tensor  # [(Hq+2Hkv)*Dh, D] view-backed by the HF q/k/v weights
     bqkv: torch.Tensor | None
     wo: torch.Tensor
+    bo: torch.Tensor | None
     n_q: int
     n_kv: int
     head_dim: int
     scaling: float
-    window: int
+    window: int  # 0: full causal attention, else keys at positions (pos - window, pos] (adapter.attention_windows)
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     qk_eps: float
@@ -93,28 +95,17 @@ def _eps(norm) -> float:
 
 
 def check_supported(model) -> None:
-    """Raise FastPathError (before any CUDA work) if the fused decode forward cannot run this model."""
-    from moecg.models.adapter import adapter_for
+    """Raise FastPathError (before any CUDA work) if the fused decode forward cannot run this model.
 
-    cfg = model.config
+    The checks live in one place, FamilyAdapter.check_supported (config fields and modules, kernels=fused)."""
     try:
         ad = adapter_for(model)
     except Exception as e:  # noqa: BLE001
         raise FastPathError(f"capture.kernels=fused supports Mixtral, Qwen2-MoE and Qwen3-MoE models: {e}") from e
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise FastPathError(f"capture.kernels=fused needs SiLU experts (hidden_act={cfg.hidden_act}); "
-                            "use capture.kernels=hf")
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rtype not in ("default", None):
-        raise FastPathError(f"capture.kernels=fused supports default rotary embeddings (rope_type={rtype}); "
-                            "use capture.kernels=hf")
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if head_dim & (head_dim - 1):
-        raise FastPathError(f"capture.kernels=fused needs a power-of-two head_dim (got {head_dim})")
-    for layer in ad.layers(model):
-        if ad.moe_block(layer) is not None and getattr(ad.experts_of(layer), "has_bias", False):
-            raise FastPathError("capture.kernels=fused: experts with bias are not supported; use capture.kernels=hf")
+    try:
+        ad.check_supported(model.config, "fused", model=model)
+    except UnsupportedConfigError as e:
+        raise FastPathError(str(e)) from e
 
 
 class FastDecode:
@@ -122,9 +113,9 @@ class FastDecode:
 
     def __init__(self, model, backend: str = "auto"):
         check_supported(model)
-        from moecg.models.adapter import adapter_for
 
         self.model = model
+        self.on_layer = None
         self.adapter = ad = adapter_for(model)
         self.family = ad.family
         p = next(model.parameters())
@@ -138,13 +129,11 @@ class FastDecode:
         self.lm_head = model.lm_head.weight
         self.rotary = inner.rotary_emb
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        types = getattr(cfg, "layer_types", None)
+        windows = ad.attention_windows(cfg)  # per layer, 0 = full: as the family's HF modeling code masks
         self.layers: list[_Layer] = []
         for i, layer in enumerate(ad.layers(model)):
             at = getattr(layer, ad.attn)
-            window = 0
-            if types is not None and types[i] == "sliding_attention":
-                window = int(getattr(at, "sliding_window", None) or getattr(cfg, "sliding_window", 0) or 0)
+            window = windows[i]
             qkv = [at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]
             bias = [at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]
             n_q = at.q_proj.weight.shape[0] // at.head_dim
@@ -154,14 +143,12 @@ class FastDecode:
                 post_w=getattr(layer, ad.post_norm).weight, post_eps=_eps(getattr(layer, ad.post_norm)),
                 wqkv=_concat_params(qkv),
                 bqkv=_concat_params(bias) if all(b is not None for b in bias) else None,
-                wo=at.o_proj.weight, n_q=n_q, n_kv=n_kv, head_dim=at.head_dim, scaling=float(at.scaling),
-                window=window,
+                wo=at.o_proj.weight, bo=at.o_proj.bias, n_q=n_q, n_kv=n_kv, head_dim=at.head_dim,
+                scaling=float(at.scaling), window=window,
                 q_norm=at.q_norm.weight if hasattr(at, "q_norm") else None,
                 k_norm=at.k_norm.weight if hasattr(at, "k_norm") else None,
                 qk_eps=_eps(at.q_norm) if hasattr(at, "q_norm") else 1e-6,
             )
-            if getattr(at.o_proj, "bias", None) is not None:
-                raise FastPathError("capture.kernels=fused: o_proj with bias is not supported")
             block = ad.moe_block(layer)
             if block is None:
                 L.mlp = getattr(layer, ad.moe)
@@ -191,7 +178,13 @@ class FastDecode:
             self.layers.append(L)
 
     # -- helpers ---------------------------------------------------------------------------------------
-    def _rope_tables(self, length: int):
+    def _rope_tables(self, clayers):
+        """cos/sin [L, Dh] for every slot of the cache; the cache must be linear (slot = position) in all layers."""
+        length = clayers[0].keys.shape[2]
+        odd = [i for i, c in enumerate(clayers) if getattr(c, "is_sliding", False) or c.keys.shape[2] != length]
+        if odd:  # host-side check only (no sync); a captured step runs it at capture time
+            raise FastPathError(f"FastDecode needs a linear KV cache (slot = position, {length} slots in every "
+                                f"layer), e.g. moecg.engine.RowCache; layers {odd} are sliding/ring buffers")
         if length not in self._tables:
             x = torch.zeros(1, 1, dtype=self.dtype, device=self.device)
             pos = torch.arange(length, device=self.device)[None]
@@ -218,7 +211,7 @@ class FastDecode:
             raise ValueError("FastDecode runs decode steps (one token per row); the prefill runs the HF model")
         clayers = cache.layers
         pos = clayers[0].cumulative_length  # device scalar: every layer is at the same position
-        cos, sin = self._rope_tables(clayers[0].keys.shape[2])
+        cos, sin = self._rope_tables(clayers)
         state = state_of(self.model)
         valid = state.token_valid(T) if state is not None else None
         x = F.embedding(input_ids[:, 0], self.embed)  # [T, D]
@@ -226,11 +219,13 @@ class FastDecode:
         slot = 0
         n = len(self.layers)
         for i, L in enumerate(self.layers):
+            if self.on_layer is not None:  # set by Capture while capturing, so a failure names its layer
+                self.on_layer(i)
             qkv = F.linear(h, L.wqkv, L.bqkv)  # [T, (Hq+2Hkv)*Dh]
             q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
                                L.head_dim, L.q_norm, L.k_norm, L.qk_eps)  # [T, Hq, Dh]
             o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window)  # [T, Hq*Dh]
-            a = F.linear(o, L.wo)  # [T, D]
+            a = F.linear(o, L.wo, L.bo)  # [T, D]
             res, h = ops.add_rmsnorm(a[:, None], res, L.post_w, L.post_eps)
             nw, neps = (self.layers[i + 1].in_w, self.layers[i + 1].in_eps) if i + 1 < n else (self.norm_w,
                                                                                                self.norm_eps)

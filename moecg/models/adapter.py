@@ -10,6 +10,22 @@ import torch.nn as nn
 
 from moecg.models.zoo import family_of_config
 
+KERNELS = ("hf", "fused")
+# rotary types whose cos/sin depend only on the position: FastDecode's one table from HF's own rotary module is
+# exact. "dynamic" and "longrope" pick their frequencies from the current sequence length at every call.
+STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
+
+
+class UnsupportedConfigError(ValueError):
+    """A model config field moecg cannot run faithfully; the message names the field and the fix."""
+
+
+def rope_type(config) -> str:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(rope, dict):
+        return "default"
+    return rope.get("rope_type", rope.get("type", "default")) or "default"
+
 
 @dataclass(frozen=True)
 class FamilyAdapter:
@@ -32,6 +48,89 @@ class FamilyAdapter:
 
     def top_k(self, config) -> int:
         return config.num_experts_per_tok
+
+    def head_dim(self, config) -> int:
+        """Per-head size as the family's attention module computes it."""
+        if self.family == "qwen2_moe":  # Qwen2MoeAttention: getattr(config, "head_dim", hidden // heads)
+            return getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def attention_windows(self, config) -> list[int]:
+        """The attention window of each decoder layer, 0 = full causal attention; a query at position p sees keys
+        at positions k with p - window < k <= p (HF's sliding_window_causal_mask_function).
+
+        Exactly as each family's modeling code (transformers 5.24) picks a layer's mask:
+          Mixtral, Qwen3-MoE: every layer slides iff config.sliding_window is not None (Qwen3MoeConfig sets it to None
+            unless use_sliding_window; neither family reads layer_types or max_window_layers);
+          Qwen2-MoE: layer i slides iff config.layer_types[i] == "sliding_attention" (Qwen2MoeConfig derives
+            layer_types from use_sliding_window and max_window_layers: even i < max_window_layers), window
+            config.sliding_window.
+        """
+        n = config.num_hidden_layers
+        sw = getattr(config, "sliding_window", None)
+        if self.family == "qwen2_moe":
+            types = getattr(config, "layer_types", None) or ["full_attention"] * n
+            return [int(sw or 0) if t == "sliding_attention" else 0 for t in types[:n]]
+        return [int(sw) if sw is not None else 0] * n
+
+    def check_supported(self, config, kernels: str = "hf", *, step_graph: bool = False, model=None) -> None:
+        """Raise UnsupportedConfigError, before any work, for a config field moecg would run wrongly.
+
+        kernels: "hf" (HF's modules: the engine and every capture strategy) or "fused" (moecg.fast.FastDecode).
+        step_graph: a whole decode step (rotary embedding included) is captured (strategy=full/capacity).
+        model: also check the built modules (expert biases), for kernels=fused.
+        """
+        if kernels not in KERNELS:
+            raise UnsupportedConfigError(f"capture.kernels={kernels!r}: choose one of {KERNELS}")
+
+        def refuse(field, why, fix):
+            raise UnsupportedConfigError(f"{type(config).__name__}.{field}: {why}; {fix}")
+
+        if getattr(config, "is_heterogeneous", False):
+            refuse("per_layer_config", "per-layer config overrides are not supported (moecg, and this family's HF "
+                   "modeling code, read one config for every layer)", "remove per_layer_config")
+        if getattr(config, "is_causal", True) is False:
+            refuse("is_causal", "is_causal=False makes HF build bidirectional masks, which over a static KV cache "
+                   "attend to unwritten slots", "remove is_causal (decoding is causal)")
+        sw = getattr(config, "sliding_window", None)
+        n = config.num_hidden_layers
+        if self.family == "qwen2_moe":
+            types = list(getattr(config, "layer_types", None) or [])
+            if len(types) != n or any(t not in ("full_attention", "sliding_attention") for t in types):
+                refuse("layer_types", f"{types} must name full_attention or sliding_attention for each of the {n} "
+                       "layers", "fix layer_types, or leave it unset to derive it from use_sliding_window and "
+                       "max_window_layers")
+            if "sliding_attention" in types and not (isinstance(sw, int) and sw > 0):
+                refuse("sliding_window", f"layer_types has sliding_attention layers but sliding_window={sw!r} "
+                       "(Qwen2MoeConfig sets it to 0 unless use_sliding_window)",
+                       "set use_sliding_window=True and sliding_window > 0, or make every layer full_attention")
+        elif sw is not None and not (isinstance(sw, int) and sw > 0):
+            refuse("sliding_window", f"sliding_window={sw!r} masks every key", "set sliding_window > 0 or None")
+        rt = rope_type(config)
+        if step_graph and kernels == "hf" and rt == "dynamic":
+            refuse("rope_parameters", "rope_type=dynamic recomputes the rotary frequencies on the host when the "
+                   "sequence outgrows them, which a captured decode step cannot do",
+                   "use strategy=layer or partial (the rotary embedding runs eagerly there) or strategy=eager")
+        if kernels == "hf":
+            return
+        # -- kernels=fused: moecg.fast.FastDecode recomputes the decode step from the parameters
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            refuse("hidden_act", f"capture.kernels=fused needs SiLU experts (hidden_act={act})",
+                   "use capture.kernels=hf")
+        if rt not in STATIC_ROPE_TYPES:
+            refuse("rope_parameters", f"capture.kernels=fused supports rotary types whose tables depend on the "
+                   f"position only, {STATIC_ROPE_TYPES} (rope_type={rt} picks its frequencies from the current "
+                   "sequence length)", "use capture.kernels=hf")
+        hd = self.head_dim(config)
+        if hd & (hd - 1):
+            refuse("head_dim", f"capture.kernels=fused needs a power-of-two head_dim (got {hd})",
+                   "use capture.kernels=hf")
+        if model is not None:
+            for layer in self.layers(model):
+                if self.moe_block(layer) is not None and getattr(self.experts_of(layer), "has_bias", False):
+                    refuse("experts", "capture.kernels=fused: experts with bias are not supported",
+                           "use capture.kernels=hf")
 
     # -- layer level ------------------------------------------------------------------------------
     def moe_block(self, layer: nn.Module) -> nn.Module | None:

@@ -70,6 +70,25 @@ PRESETS: dict[str, dict] = {
     ),
 }
 
+# Tiny variants of the tiny presets, one config feature each (sliding windows shorter than a test's prompt, a dense
+# layer, tied embeddings): the test matrix runs every strategy on them.
+PRESETS.update({
+    # every layer slides (Mixtral reads config.sliding_window for all layers)
+    "mixtral_tiny_swa": dict(PRESETS["mixtral_tiny"], sliding_window=6),
+    # layer_types from use_sliding_window + max_window_layers: [sliding, full, full] (even layers < 2 slide)
+    "qwen2_moe_tiny_swa": dict(PRESETS["qwen2_moe_tiny"], use_sliding_window=True, sliding_window=6,
+                               max_window_layers=2),
+    # every layer slides (Qwen3-MoE has no max_window_layers)
+    "qwen3_moe_tiny_swa": dict(PRESETS["qwen3_moe_tiny"], use_sliding_window=True, sliding_window=6),
+    # layer 0 a dense MLP (mlp_only_layers), layer 1 MoE
+    "qwen3_moe_tiny_dense": dict(PRESETS["qwen3_moe_tiny"], mlp_only_layers=[0]),
+    # lm_head shares the embedding matrix
+    "qwen3_moe_tiny_tied": dict(PRESETS["qwen3_moe_tiny"], tie_word_embeddings=True),
+})
+VARIANT_PRESETS = ["mixtral_tiny_swa", "qwen2_moe_tiny_swa", "qwen3_moe_tiny_swa", "qwen3_moe_tiny_dense",
+                   "qwen3_moe_tiny_tied"]
+SLIDING_PRESETS = ["mixtral_tiny_swa", "qwen2_moe_tiny_swa", "qwen3_moe_tiny_swa"]
+
 
 def family_of_config(config) -> str:
     for family, (config_cls, _) in FAMILIES.items():
