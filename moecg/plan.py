@@ -154,6 +154,11 @@ def resolve_plan(cfg) -> RunPlan:
         raise PlanError(str(e)) from None
 
     model = _model_plan(cfg.model)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and max_cache_len > max_pos:
+        raise PlanError(f"max_cache_len = {max_cache_len} (prompt_len + new_tokens unless set) exceeds the model's "
+                        f"max_position_embeddings={max_pos}: positions past it are outside what the model was built "
+                        f"for; lower new_tokens/prompt_len (at most {max_pos} in all)")
     try:
         dtype = resolve_dtype(cfg.model.dtype, device)
     except ValueError as e:
@@ -224,9 +229,12 @@ def resolve_plan(cfg) -> RunPlan:
     if prompts_kind != "file" and cfg.get("prompt_file"):
         raise PlanError(f"prompt_file is only read with prompts=file (got prompts={prompts_kind}): "
                         "add prompts=file or drop prompt_file")
-    from moecg.prompts import make_prompts
+    from moecg.prompts import PromptError, make_prompts
 
-    prompts = make_prompts(prompts_kind, batch, prompt_len, seed, model.config.vocab_size, cfg.get("prompt_file"))
+    try:
+        prompts = make_prompts(prompts_kind, batch, prompt_len, seed, model.config.vocab_size, cfg.get("prompt_file"))
+    except PromptError as e:
+        raise PlanError(str(e)) from None
 
     passes = (measure.repeats + 1) * (2 if measure.eager_baseline and spec.scope != "eager" else 1) \
         + (3 if measure.fidelity else 0) + 1

@@ -1,0 +1,107 @@
+"""The run plan: every bad input is refused before any model is built, with one line naming the key and the fix."""
+import pytest
+from hydra import compose, initialize_config_dir
+
+import moecg
+from moecg.plan import PlanError, check_fits, resolve_plan
+
+CONF_DIR = __import__("pathlib").Path(moecg.__file__).parent / "conf"
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _refused(match, *overrides):
+    with pytest.raises(PlanError, match=match) as e:
+        resolve_plan(_cfg(*overrides))
+    assert "\n" not in str(e.value), "errors are one line"
+    return str(e.value)
+
+
+def test_default_plan_resolves():
+    plan = resolve_plan(_cfg())
+    assert plan.batch_size == 4 and plan.bucket is None and plan.max_rows == 4  # CPU: no graphs, no padding
+    assert plan.prompts.shape == (4, 16) and plan.model.layers == 2
+    assert plan.measure.hbm_bandwidth_gbps is None and plan.measure.bandwidth_source == "unknown"  # CPU
+    with pytest.raises(Exception):
+        plan.batch_size = 8  # frozen
+
+
+def test_emulated_capture_pads_to_the_bucket():
+    plan = resolve_plan(_cfg("strategy=full", "capture.backend=emulate", "batch_size=5"))
+    assert plan.captures and plan.bucket == 8 and plan.max_rows == 8
+
+
+@pytest.mark.parametrize("override,match", [
+    ("batch_size=2.5", r"batch_size=2\.5: must be an integer >= 1 \(e\.g\. batch_size=4\)"),
+    ("batch_size=0", r"batch_size=0: must be an integer >= 1"),
+    ("measure.repeats=0", r"measure\.repeats=0: must be an integer >= 1"),
+    ("model.router_skew=abc", r"model\.router_skew='abc': must be a number"),
+    ("model.router_skew=-1", r"model\.router_skew=-1\.0: must be a finite number >= 0"),
+    ("seed=abc", r"seed='abc': must be an integer"),
+    ("new_tokens=100000", r"exceeds the model's max_position_embeddings=1024.*lower new_tokens"),
+    ("max_cache_len=8", r"exceeds max_cache_len=8: raise max_cache_len"),
+    ("+dispatch.capacity_factor=0", r"dispatch\.capacity_factor does not apply to dispatch=dropless \(it belongs to "
+                                    r"dispatch=capacity"),
+    ("dispatch.capacity_factor=abc", None),  # not in dropless's YAML: Hydra itself refuses the key
+    ("capture.kernel_backend=torch", r"capture\.kernel_backend=torch only applies with capture\.kernels=fused"),
+    ("capture.compile_mode=max-autotune-no-cudagraphs", r"only applies with capture\.compile=true"),
+    ("capture.backend=cuda", r"capture\.backend=cuda needs a CUDA device"),
+    ("capture.buckets=[4,2]", r"capture\.buckets=\[4, 2\]: must be strictly ascending"),
+    ("prompts=nope", r"prompts='nope': choose one of random, heldout, file"),
+    ("prompt_file=/x", r"prompt_file is only read with prompts=file"),
+    ("measure.heldout_bpb=true", r"measure\.heldout_bpb=true needs a byte-level model"),
+    ("measure.hbm_bandwidth_gbps=0", r"measure\.hbm_bandwidth_gbps=0\.0: must be a finite number > 0"),
+    ("measure.skip_steps=40", r"measure\.skip_steps=40 leaves none of the 31 decode steps"),
+    ("model.num_layers=0", r"model\.num_layers=0: must be an integer >= 1"),
+    ("model.dtype=fp8", r"model\.dtype='fp8': choose one of"),
+])
+def test_bad_inputs_are_refused_with_the_key_and_fix(override, match):
+    if match is None:
+        from hydra.errors import ConfigCompositionException
+
+        with pytest.raises(ConfigCompositionException):
+            _cfg(override)
+        return
+    _refused(match, override)
+
+
+def test_dispatch_options_are_typed():
+    _refused(r"dispatch\.capacity_factor='abc': dispatch=capacity needs a number", "dispatch=capacity",
+             "dispatch.capacity_factor=abc")
+    _refused(r"dispatch\.capacity_factor=0\.0: must be > 0", "dispatch=capacity", "dispatch.capacity_factor=0")
+    _refused(r"dispatch\.drop_policy='rand'", "dispatch=capacity", "dispatch.drop_policy=rand")
+    _refused(r"dispatch\.prefill='nope'", "dispatch.prefill=nope")
+
+
+def test_strategy_combinations_refused_by_capability():
+    _refused(r"dispatch=dynamic is not graph-safe", "strategy=full", "dispatch=dynamic")
+    _refused(r"strategy=capacity needs", "strategy=capacity", "dispatch=dropless")
+    _refused(r"capture\.kernels=fused .* not strategy=layer", "strategy=layer", "capture.kernels=fused")
+    _refused(r"strategy\.layers is only read by strategy=mixed", "strategy=full", "strategy.layers=0-1:layer")
+    _refused(r"strategy\.layers: range 0-9 is outside", "strategy=mixed", "strategy.layers=0-9:layer")
+
+
+def test_checkpoint_path_errors(tmp_path):
+    _refused(r"model\.pretrained_path=/no/such/dir: is not a directory; give a local directory written by "
+             r"save_pretrained", "model=local", "model.pretrained_path=/no/such/dir")
+    _refused(r"has no config\.json", "model=local", f"model.pretrained_path={tmp_path}")
+
+
+def test_prompt_file_with_words_names_file_and_key(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("hello world\n")
+    _refused(r"prompt_file=.*p\.txt, line 1: 'hello' is not a token id", "prompts=file", f"prompt_file={f}")
+
+
+def test_runs_that_cannot_fit_are_refused_with_the_depth_that_fits():
+    # the real Mixtral-8x7B shape in fp32 on CPU: ~190 GB of weights
+    msg = _refused(r"this run needs about \d+\.\d GiB .* is available: model\.num_layers=\d+ fits",
+                   "model=mixtral_8x7b")
+    plan = resolve_plan(_cfg("model=mixtral_8x7b", f"model.num_layers={msg.split('model.num_layers=')[1].split()[0]}"))
+    check_fits(plan)  # the suggested depth does fit
+    # and a depth that fits on a given budget is what the message says
+    with pytest.raises(PlanError, match=r"model\.num_layers=1 fits|no depth fits"):
+        check_fits(resolve_plan(_cfg("model=mixtral_8x7b", "model.num_layers=2")), available=int(plan.memory_bytes / 2))
