@@ -70,12 +70,9 @@ def main(cfg: DictConfig) -> None:
         print_summary(res)
         print(f"results: {results_path}")
     except Exception as e:
-        # a failed job is recorded and reported; in a multirun the other jobs still run
-        err = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
-               "strategy": cfg.strategy.name, "dispatch": cfg.dispatch.name, "batch_size": cfg.batch_size,
-               "config": OmegaConf.to_container(cfg, resolve=True)}
-        results_path.write_text(json.dumps(err, indent=2, default=str))
-        print(f"moecg: job failed: {err['error']}\n(recorded in {results_path})", file=sys.stderr)
+        # a failed job is recorded and reported; in a multirun the other jobs still run and
+        # moecg.callbacks.FailedJobsReport lists the failed ones at the end (exit 1)
+        _record_failure(cfg, e, results_path)
         if not _is_multirun():
             raise SystemExit(1)
     finally:
@@ -92,21 +89,83 @@ def _run_with_progress(cfg) -> dict:
         return run_experiment(cfg, progress=lambda: bar.advance(task))
 
 
+def _record_failure(cfg, e: BaseException, results_path: Path) -> None:
+    """results.json with `status: failed`, the full `error` and `traceback`; ONE line on stderr."""
+    from moecg.callbacks import one_line
+
+    err = {"status": "failed", "error": f"{type(e).__name__}: {e}",
+           "traceback": getattr(e, "child_traceback", None) or traceback.format_exc(),
+           "strategy": cfg.strategy.name, "dispatch": cfg.dispatch.name, "batch_size": cfg.batch_size,
+           "config": OmegaConf.to_container(cfg, resolve=True)}
+    if isinstance(e, JobProcessError):  # the child's own exception, not the wrapper
+        err["error"] = e.error
+    results_path.write_text(json.dumps(err, indent=2, default=str))
+    print(f"moecg: job failed: {one_line(err['error'])} (details and traceback: {results_path})", file=sys.stderr)
+
+
+class JobProcessError(RuntimeError):
+    """A job that failed in its own process (`isolate`): carries the child's error and traceback."""
+
+    def __init__(self, error: str, child_traceback: str | None = None):
+        super().__init__(error)
+        self.error, self.child_traceback = error, child_traceback
+
+
 def _isolate(cfg) -> bool:
     iso = cfg.get("isolate", "auto")
     if iso == "auto":
-        # a failed capture poisons the CUDA context: sweep jobs on a GPU run in a child process each
+        # a failed capture poisons the CUDA context: sweep jobs on a GPU run in a child process each,
+        # unless the launcher already starts one process per job (submitit, local or SLURM)
+        if not _is_multirun() or _launcher_has_process_per_job():
+            return False
         import torch
 
-        return _is_multirun() and torch.cuda.is_available()
+        return torch.cuda.is_available()
     return bool(iso)
+
+
+# launchers whose every job is already its own process (hydra-submitit-launcher: submitit_local, submitit_slurm)
+PROCESS_PER_JOB_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.",)
+
+
+def _launcher_has_process_per_job() -> bool:
+    try:
+        target = str(HydraConfig.get().launcher.get("_target_") or "")
+    except Exception:  # noqa: BLE001 - outside Hydra
+        return False
+    return target.startswith(PROCESS_PER_JOB_LAUNCHERS)
+
+
+# moecg's defaults for `hydra/launcher=submitit_slurm`: one GPU per job (a job measures one configuration on one
+# GPU), one task, a time limit. Any field stays overridable: hydra.launcher.partition=gpu hydra.launcher.timeout_min=90
+SLURM_DEFAULTS = {"gpus_per_node": 1, "tasks_per_node": 1, "nodes": 1, "timeout_min": 30, "name": "moecg"}
+
+
+def _register_launcher_defaults() -> None:
+    """Re-store the submitit plugin's `submitit_slurm` node with SLURM_DEFAULTS.
+
+    A yaml of the same name in conf/hydra/launcher/ cannot extend the plugin's config (its defaults list would
+    name itself; Hydra only merges it through the deprecated automatic schema matching, with a warning), so the
+    plugin's own dataclass is stored again with moecg's values. Hydra's plugin scan runs (and re-runs the
+    plugin's config module) once per process in Plugins.instance(), so it is done first.
+    """
+    try:
+        from hydra.core.config_store import ConfigStore
+        from hydra.core.plugins import Plugins
+
+        Plugins.instance()
+        from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+    except ImportError:  # the launcher plugin is not installed: nothing to adjust
+        return
+    ConfigStore.instance().store(group="hydra/launcher", name="submitit_slurm", node=SlurmQueueConf(**SLURM_DEFAULTS),
+                                 provider="submitit_launcher")
 
 
 def _child(cfg_dict, q) -> None:
     try:
         q.put(("ok", _run_with_progress(OmegaConf.create(cfg_dict))))
     except BaseException as e:  # noqa: BLE001
-        q.put(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        q.put(("err", (f"{type(e).__name__}: {e}", traceback.format_exc())))
 
 
 def _run_isolated(cfg) -> dict:
@@ -118,7 +177,8 @@ def _run_isolated(cfg) -> dict:
     p.start()
     import queue
 
-    status, payload = "err", "the job's process died without a result (killed, or a crash inside CUDA)"
+    status, payload = "err", ("JobProcessError: the job's process died without a result (killed, or a crash inside "
+                              "CUDA)", None)
     while True:  # poll, so a child that dies hard (segfault, OOM kill) cannot hang the sweep
         try:
             status, payload = q.get(timeout=5)
@@ -128,8 +188,10 @@ def _run_isolated(cfg) -> dict:
                 break
     p.join()
     if status != "ok":
-        print(payload, file=sys.stderr)
-        raise RuntimeError(f"isolated job failed: {payload.splitlines()[0]}")
+        error, tb = payload
+        if tb is None and p.exitcode:
+            error = f"{error}, exit code {p.exitcode}"
+        raise JobProcessError(error, tb)
     return payload
 
 
@@ -143,4 +205,5 @@ def _is_multirun() -> bool:
 
 
 if __name__ == "__main__":
+    _register_launcher_defaults()
     main()
