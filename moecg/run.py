@@ -12,14 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from moecg.logger import make_logger
-
-TABLE_FIELDS = ["model", "strategy", "dispatch", "capacity_factor", "batch_size", "bucket", "captured",
-                "ms_per_token_p50", "ms_per_token_p90", "tokens_per_s", "eager_ms_per_token_p50", "speedup_vs_eager",
-                "capture_s", "graph_mem_mib", "floor_ms", "floor_ratio", "drop_rate", "dropped_prob_mass",
-                "expert_load_imbalance", "token_agreement_vs_eager", "token_agreement_forced_vs_eager",
-                "max_logit_diff_vs_eager", "heldout_bpb",
-                "heldout_bpb_delta_vs_dropless"]
-
+from moecg.schema import SUMMARY
 
 def _fmt(v):
     if isinstance(v, float):
@@ -34,9 +27,8 @@ def print_summary(res: dict) -> None:
     table = Table(title=f"moecg: {res.get('model')} / strategy={res.get('strategy')} / dispatch={res.get('dispatch')}")
     table.add_column("field")
     table.add_column("value")
-    for k in TABLE_FIELDS:
-        if k in res:
-            table.add_row(k, _fmt(res[k]))
+    for k in SUMMARY:
+        table.add_row(k, _fmt(res.get(k)))
     console = Console()
     console.print(table)
     if not res.get("captured"):
@@ -82,7 +74,7 @@ def main(cfg: DictConfig) -> None:
 def _run_with_progress(cfg) -> dict:
     from rich.progress import Progress
 
-    from moecg.measure import run_experiment
+    from moecg.harness import run_experiment
 
     with Progress(transient=True) as bar:
         task = bar.add_task("decode (timed repeats)", total=int(cfg.measure.repeats) * max(cfg.new_tokens - 1, 1))
