@@ -85,12 +85,16 @@ def _record_failure(cfg, e: BaseException, results_path: Path) -> None:
     """results.json with `status: failed`, the full `error` and `traceback`; ONE line on stderr."""
     from moecg.callbacks import one_line
 
-    err = {"status": "failed", "error": f"{type(e).__name__}: {e}",
-           "traceback": getattr(e, "child_traceback", None) or traceback.format_exc(),
-           "strategy": cfg.strategy.name, "dispatch": cfg.dispatch.name, "batch_size": cfg.batch_size,
-           "config": OmegaConf.to_container(cfg, resolve=True)}
-    if isinstance(e, JobProcessError):  # the child's own exception, not the wrapper
-        err["error"] = e.error
+    from moecg.schema import failed_record
+
+    d = cfg.dispatch
+    axes = {"model": cfg.model.preset or cfg.model.pretrained_path, "strategy": cfg.strategy.name,
+            "dispatch": d.name, "capacity_factor": d.get("capacity_factor"), "drop_policy": d.get("drop_policy"),
+            "batch_size": cfg.batch_size}
+    err = failed_record(e.error if isinstance(e, JobProcessError) else f"{type(e).__name__}: {e}",
+                        getattr(e, "moecg_phase", "setup"),
+                        getattr(e, "child_traceback", None) or traceback.format_exc(),
+                        OmegaConf.to_container(cfg, resolve=True), axes)
     results_path.write_text(json.dumps(err, indent=2, default=str))
     print(f"moecg: job failed: {one_line(err['error'])} (details and traceback: {results_path})", file=sys.stderr)
 
@@ -157,7 +161,7 @@ def _child(cfg_dict, q) -> None:
     try:
         q.put(("ok", _run_with_progress(OmegaConf.create(cfg_dict))))
     except BaseException as e:  # noqa: BLE001
-        q.put(("err", (f"{type(e).__name__}: {e}", traceback.format_exc())))
+        q.put(("err", (f"{type(e).__name__}: {e}", traceback.format_exc(), getattr(e, "moecg_phase", None))))
 
 
 def _run_isolated(cfg) -> dict:
@@ -180,10 +184,13 @@ def _run_isolated(cfg) -> dict:
                 break
     p.join()
     if status != "ok":
-        error, tb = payload
+        error, tb, *phase = payload
         if tb is None and p.exitcode:
             error = f"{error}, exit code {p.exitcode}"
-        raise JobProcessError(error, tb)
+        err = JobProcessError(error, tb)
+        if phase and phase[0]:
+            err.moecg_phase = phase[0]
+        raise err
     return payload
 
 
