@@ -136,18 +136,23 @@ def test_unknown_config_value_lists_the_choices(tmp_path, group, choice):
 
 
 # -- drop accounting against the analytic rate -------------------------------------------------------------------
-def _uniform_routing_drop_rate(T, E, K, cf, trials, seed=0) -> float:
-    """Capacity.forward on random uniform routings, counted by a DispatchState summed over `trials` calls."""
+def _uniform_routing_drop_rate(T, E, K, cf, trials, seed=0, pad_to=None) -> float:
+    """Capacity.forward on random uniform routings, counted by a DispatchState summed over `trials` calls.
+
+    pad_to: run T real rows padded up to a bucket of pad_to rows (pad rows masked), as a captured step does."""
     g = torch.Generator().manual_seed(seed)
     disp = make_dispatcher("capacity", capacity_factor=cf)
-    state = DispatchState(disp, [0], E, max_rows=1, device="cpu")
+    rows = pad_to or T
+    state = DispatchState(disp, [0], E, max_rows=rows, device="cpu")
+    state.set_rows(T, rows)
     D = I = 4  # the expert MLP's output does not matter here, only which assignments keep a slot
     experts = SimpleNamespace(num_experts=E, gate_up_proj=torch.zeros(E, 2 * I, D), down_proj=torch.zeros(E, D, I),
                               _apply_gate=lambda gu: gu[..., :I] * gu[..., I:])
+    valid = state.token_valid(rows) if pad_to else None
     for _ in range(trials):
-        idx = torch.rand(T, E, generator=g).argsort(1)[:, :K]  # [T, K] K distinct experts, uniform
-        w = torch.rand(T, K, generator=g).softmax(1)  # [T, K]
-        disp.forward(experts, torch.zeros(T, D), idx, w, None, state.layer(0))
+        idx = torch.rand(rows, E, generator=g).argsort(1)[:, :K]  # [B, K] K distinct experts, uniform
+        w = torch.rand(rows, K, generator=g).softmax(1)  # [B, K]
+        disp.forward(experts, torch.zeros(rows, D), idx, w, valid, state.layer(0))
     snap = state.snapshot()
     assert snap["routed_assignments"] == T * K * trials
     return snap["drop_rate"]
@@ -160,6 +165,15 @@ def test_uniform_routing_drop_rate_matches_analytic(T, E, cf):
     expected = analysis.uniform_drop_rate(T, K, E, cf)
     measured = _uniform_routing_drop_rate(T, E, K, cf, trials=max(4, 16384 // T))  # same token count per case
     assert abs(measured - expected) < 0.01, (measured, expected)
+
+
+@pytest.mark.parametrize("T,bucket,cf", [(5, 8, 1.25), (40, 64, 1.0), (3, 4, 2.0)])
+def test_analytic_rate_holds_for_a_batch_padded_to_its_bucket(T, bucket, cf):
+    """The overlay is priced on the real batch; a padded (captured) step must drop at that rate, not the bucket's."""
+    E, K = 8, 2
+    expected = analysis.uniform_drop_rate(T, K, E, cf)
+    measured = _uniform_routing_drop_rate(T, E, K, cf, trials=min(4096 // T, 500), pad_to=bucket)  # seeded
+    assert abs(measured - expected) < 0.01, (measured, expected, analysis.uniform_drop_rate(bucket, K, E, cf))
 
 
 def test_uniform_drop_rate_edges():
