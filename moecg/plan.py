@@ -173,7 +173,7 @@ def resolve_plan(cfg) -> RunPlan:
         dispatcher = make_dispatcher(name, **{k: v for k, v in dict(d).items() if k not in ("name", "prefill")})
     except (ValueError, TypeError) as e:
         raise PlanError(str(e)) from None
-    prefill = d.get("prefill", "same")
+    prefill = d.prefill
     if prefill in (None, "same", name):
         prefill_dispatcher = None
     elif prefill in REGISTRY:
@@ -182,7 +182,7 @@ def resolve_plan(cfg) -> RunPlan:
         raise PlanError(f"dispatch.prefill={prefill!r}: choose same or one of {', '.join(sorted(REGISTRY))}")
 
     # strategy x dispatch x layers
-    layers_spec = cfg.strategy.get("layers")
+    layers_spec = cfg.strategy.layers
     try:
         spec, scopes = validate(cfg.strategy.name, dispatcher, model.layers, layers_spec)
     except StrategyError as e:
@@ -225,14 +225,14 @@ def resolve_plan(cfg) -> RunPlan:
     max_rows = max(bucket or batch, batch)
 
     measure = _measure_plan(cfg.measure, device, model, new_tokens)
-    prompts_kind = _choice(cfg.get("prompts", "random"), "prompts", PROMPTS)
-    if prompts_kind != "file" and cfg.get("prompt_file"):
+    prompts_kind = _choice(cfg.prompts, "prompts", PROMPTS)
+    if prompts_kind != "file" and cfg.prompt_file:
         raise PlanError(f"prompt_file is only read with prompts=file (got prompts={prompts_kind}): "
                         "add prompts=file or drop prompt_file")
     from moecg.prompts import PromptError, make_prompts
 
     try:
-        prompts = make_prompts(prompts_kind, batch, prompt_len, seed, model.config.vocab_size, cfg.get("prompt_file"))
+        prompts = make_prompts(prompts_kind, batch, prompt_len, seed, model.config.vocab_size, cfg.prompt_file)
     except PromptError as e:
         raise PlanError(str(e)) from None
 
