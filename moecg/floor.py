@@ -42,9 +42,11 @@ def floor_bytes(model, adapter, experts_hit: list[int], rows: int, context: int)
         per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * experts.gate_up_proj.element_size()
         total += hit * per_expert
     heads = cfg.num_key_value_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = adapter.head_dim(cfg)
     kv_bytes = next(model.parameters()).element_size()
-    total += 2 * len(adapter.layers(model)) * rows * heads * head_dim * context * kv_bytes
+    # a sliding-window layer reads only the keys inside its window
+    live = sum(min(context, w) if w else context for w in adapter.attention_windows(cfg))
+    total += 2 * rows * heads * head_dim * live * kv_bytes
     return float(total)
 
 

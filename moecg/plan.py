@@ -217,7 +217,7 @@ def resolve_plan(cfg) -> RunPlan:
     if spec.scope == "eager" and compile_:
         raise PlanError("capture.compile=true compiles the captured pieces, and strategy=eager captures none: "
                         "pick a graph strategy or drop capture.compile")
-    _check_family(model, kernels)
+    _check_family(model, kernels, step_graph=spec.scope == "step")
 
     resolved_backend = ("cuda" if device.type == "cuda" else "none") if backend == "auto" else backend
     captures = spec.scope != "eager" and resolved_backend != "none"
@@ -294,17 +294,14 @@ def _model_plan(m) -> ModelPlan:
                      int(config.num_hidden_layers))
 
 
-def _check_family(model: ModelPlan, kernels: str) -> None:
+def _check_family(model: ModelPlan, kernels: str, step_graph: bool) -> None:
     """The family adapter's own audit of the config (features a path does not model are refused there)."""
     from moecg.models.adapter import ADAPTERS
 
-    ad = ADAPTERS[model.family]
-    check = getattr(ad, "check_supported", None)
-    if check is not None:
-        try:
-            check(model.config, kernels)
-        except ValueError as e:
-            raise PlanError(str(e)) from None
+    try:
+        ADAPTERS[model.family].check_supported(model.config, kernels, step_graph=step_graph)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 def _measure_plan(m, device, model: ModelPlan, new_tokens: int) -> MeasurePlan:
@@ -370,6 +367,20 @@ def estimate_memory(plan: RunPlan) -> int:
     return int(weights + kv + transient + logits)
 
 
+def grouped_fallback_bytes(plan: RunPlan) -> int:
+    """The sort + grouped-GEMM experts (dropless, fused's prefill, the fidelity reference) on CUDA outside bf16 take
+    grouped_mm's sync-free fallback, which gathers one expert weight per assignment: [S, Din, Dout] for the prefill."""
+    if plan.device.type != "cuda" or plan.dtype == torch.bfloat16:
+        return 0
+    cfg = plan.model.config
+    from moecg.models.adapter import ADAPTERS
+
+    k = ADAPTERS[plan.model.family].top_k(cfg)
+    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    nbytes = torch.empty((), dtype=plan.dtype).element_size()
+    return plan.max_rows * plan.prompt_len * k * cfg.hidden_size * 2 * inter * nbytes
+
+
 def available_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -389,6 +400,13 @@ def available_memory(device: torch.device) -> int | None:
 def check_fits(plan: RunPlan, available: int | None = None) -> None:
     """Refuse a run that cannot fit this machine's memory, with what it needs and the override that fits."""
     avail = available_memory(plan.device) if available is None else available
+    fallback = grouped_fallback_bytes(plan)
+    if avail is not None and fallback and (plan.measure.fidelity or not plan.dispatcher.reads_all_experts) \
+            and plan.memory_bytes + fallback > MEMORY_HEADROOM * avail:
+        raise PlanError(f"model.dtype={plan.model.dtype} on CUDA: grouped_mm has a fast kernel only for bf16, and its "
+                        f"fallback gathers an expert weight per assignment, {fallback / 2**30:.0f} GiB for this prefill "
+                        f"(batch {plan.max_rows} x prompt {plan.prompt_len}): use model.dtype=bf16 (or auto), or a "
+                        "smaller batch_size/prompt_len")
     if avail is None or plan.memory_bytes <= MEMORY_HEADROOM * avail:
         return
     nbytes = torch.empty((), dtype=plan.dtype).element_size()

@@ -33,7 +33,8 @@ def _train_script():
 def _bpb_with(model, dispatch: str | None, **kw) -> float:
     if dispatch is None:
         return heldout_bpb(model, **kw)
-    attach(model, make_dispatcher(dispatch, capacity_factor=kw.pop("capacity_factor", 1.0)))
+    cf = kw.pop("capacity_factor", 1.0)
+    attach(model, make_dispatcher(dispatch, **({"capacity_factor": cf} if dispatch == "capacity" else {})))
     try:
         return heldout_bpb(model, **kw)
     finally:
