@@ -13,12 +13,15 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
 fi
 if [ "$WHAT" = cli ] || [ "$WHAT" = all ]; then
   # hydra.output_subdir=null: no .hydra/ folder (it records this machine's working directory)
-  COMMON="${MODEL:-model=qwen1_5_moe_a2_7b model.num_layers=4} dispatch=capacity dispatch.capacity_factor=1.0 batch_size=5
+  COMMON="${MODEL:-model=qwen1_5_moe_a2_7b model.num_layers=4} dispatch=capacity dispatch.capacity_factor=${CF:-1.0} batch_size=5
           new_tokens=32 prompt_len=32 measure.repeats=3 hydra.output_subdir=null"
-  for s in eager capacity; do
-    for k in hf fused; do
-      python3 -m moecg.run strategy=$s capture.kernels=$k $COMMON hydra.run.dir="$OUT/cap_bs5_${s}_${k}" \
-        > "$OUT/cap_bs5_${s}_${k}.log" 2>&1 || echo "run $s $k failed: $(tail -1 "$OUT/cap_bs5_${s}_${k}.log")"
+  for dt in bf16 fp32; do
+    for s in eager capacity; do
+      for k in hf fused; do
+        python3 -m moecg.run strategy=$s capture.kernels=$k model.dtype=$dt $COMMON \
+          hydra.run.dir="$OUT/cap_bs5_${dt}_${s}_${k}" > "$OUT/cap_bs5_${dt}_${s}_${k}.log" 2>&1 \
+          || echo "run $dt $s $k failed: $(tail -1 "$OUT/cap_bs5_${dt}_${s}_${k}.log")"
+      done
     done
   done
   python3 - "$OUT" <<'PY'
@@ -31,11 +34,11 @@ for f in sorted(out.glob("cap_bs5_*/results.json")):
     if r.get("status") != "ok":
         rows.append(f"| {f.parent.name} | failed: {r.get('error')} |")
         continue
-    rows.append(f"| {r['strategy']} | {r['kernels']} | {r['batch_size']} | {r['bucket']} | {r['captured']} | "
+    rows.append(f"| {r['dtype']} | {r['strategy']} | {r['kernels']} | {r['batch_size']} | {r['bucket']} | {r['captured']} | "
                 f"{r['capacity']} | {r['capacity_buffer']} | {r['dropped_assignments']} / {r['routed_assignments']} | "
                 f"{r['drop_rate']:.4f} | {r['ms_per_token_p50']:.3f} | {r['token_agreement_forced_vs_eager']:.3f} |")
-table = ("| strategy | kernels | batch | bucket | captured | C applied | C buffer | dropped / routed | drop rate | "
-         "ms/step p50 | forced agreement vs dropless eager |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+table = ("| dtype | strategy | kernels | batch | bucket | captured | C applied | C buffer | dropped / routed | drop rate | "
+         "ms/step p50 | forced agreement vs dropless eager |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
          + "\n".join(rows))
 print(table)
 (out / "capacity_bs5.md").write_text(table + "\n")
