@@ -50,9 +50,10 @@ class Capture:
         if state is None:
             raise StrategyError("attach a dispatcher first: moecg.dispatch.attach(model, make_dispatcher(...))")
         self.spec, self.scopes = validate(strategy, state.dispatcher, self.num_layers, layers)
-        # config features this capture cannot hold (e.g. dynamic rope in a whole-step graph): refused before CUDA work
-        self.adapter.check_supported(model.config, kernels if kernels in KERNELS else "hf",
-                                     step_graph=self.spec.scope == "step")
+        # config features this capture cannot hold (e.g. dynamic rope in a whole-step graph): refused before CUDA work;
+        # kernels=fused: FastDecode runs the fused-path audit itself below
+        if kernels == "hf":
+            self.adapter.check_supported(model.config, "hf", step_graph=self.spec.scope == "step")
         self.buckets = validate_buckets(buckets)
         self.backend = make_backend(backend, engine.device) if self.spec.scope != "eager" else None
         if self.backend is None and self.spec.scope != "eager":

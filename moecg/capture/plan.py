@@ -14,7 +14,7 @@ LAYER_SCOPES = ("layer", "attn", "eager")
 class StrategySpec:
     name: str
     scope: str  # step | layer | attn | eager | mixed
-    dispatch: str | None  # the dispatch this strategy requires, if any
+    requires: str | None  # a dispatcher capability this strategy needs (a class variable of Dispatcher), if any
     doc: str
 
 
@@ -22,7 +22,7 @@ STRATEGIES = {
     "eager": StrategySpec("eager", "eager", None, "no graphs: the baseline, same engine and dispatch"),
     "full": StrategySpec("full", "step", None, "whole decode step (embedding to argmax) as one graph per bucket"),
     "partial": StrategySpec("partial", "attn", None, "per layer: attention captured, MoE FFN eager (any dispatch)"),
-    "capacity": StrategySpec("capacity", "step", "capacity",
+    "capacity": StrategySpec("capacity", "step", "drops",
                              "whole step captured with capacity-padded experts (dispatch=capacity)"),
     "layer": StrategySpec("layer", "layer", None, "one graph per decoder layer (attention + MoE)"),
     "mixed": StrategySpec("mixed", "mixed", None, "per-layer scopes from strategy.layers, e.g. '0-11:layer,12-23:attn'"),
@@ -77,9 +77,13 @@ def resolve(name: str, num_layers: int, layers: str | None = None) -> tuple[Stra
 def validate(name: str, dispatcher, num_layers: int, layers: str | None = None):
     """Check a strategy x dispatch combination before any CUDA work; returns (spec, per-layer scopes)."""
     spec, scopes = resolve(name, num_layers, layers)
-    if spec.dispatch is not None and dispatcher.name != spec.dispatch:
-        raise StrategyError(f"strategy={name} needs dispatch={spec.dispatch} (got dispatch={dispatcher.name}); "
-                            f"use strategy=full for a whole-step graph with dispatch={dispatcher.name}")
+    if spec.requires is not None and not getattr(dispatcher, spec.requires):
+        from moecg.dispatch import REGISTRY
+
+        takers = " or dispatch=".join(sorted(n for n, c in REGISTRY.items() if getattr(c, spec.requires)))
+        raise StrategyError(f"strategy={name} needs dispatch={takers} (a dispatcher with `{spec.requires}`; got "
+                            f"dispatch={dispatcher.name}); use strategy=full for a whole-step graph with "
+                            f"dispatch={dispatcher.name}")
     captures_moe = spec.scope == "step" or (scopes is not None and "layer" in scopes)
     if captures_moe and not dispatcher.graph_safe:
         where = "" if spec.scope == "step" else \
