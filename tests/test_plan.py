@@ -105,3 +105,18 @@ def test_runs_that_cannot_fit_are_refused_with_the_depth_that_fits():
     # and a depth that fits on a given budget is what the message says
     with pytest.raises(PlanError, match=r"model\.num_layers=1 fits|no depth fits"):
         check_fits(resolve_plan(_cfg("model=mixtral_8x7b", "model.num_layers=2")), available=int(plan.memory_bytes / 2))
+
+
+def test_fp32_grouped_mm_fallback_that_cannot_fit_is_refused():
+    """On CUDA outside bf16, grouped_mm's fallback gathers an expert weight per assignment (~140 GiB for this prefill:
+    measured as an OOM on the H200); the plan refuses it up front with the dtype fix."""
+    import dataclasses
+
+    import torch
+
+    plan = resolve_plan(_cfg("model=mixtral_8x7b", "model.num_layers=2", "batch_size=5", "prompt_len=32"))
+    on_gpu = dataclasses.replace(plan, device=torch.device("cuda"), dtype=torch.float32)
+    with pytest.raises(PlanError, match=r"model\.dtype=auto on CUDA: grouped_mm has a fast kernel only for bf16.*"
+                                        r"use model\.dtype=bf16"):
+        check_fits(on_gpu, available=140 * 2**30)
+    check_fits(dataclasses.replace(plan, device=torch.device("cuda"), dtype=torch.bfloat16), available=140 * 2**30)
