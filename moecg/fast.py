@@ -32,6 +32,10 @@ from moecg.models.adapter import UnsupportedConfigError, adapter_for
 from moecg.models.skew import router_logit_bias
 
 
+# router kinds (moecg.models.adapter.ROUTER_KINDS) the fused step routes with its own ops
+FUSED_ROUTER_KINDS = ("softmax_topk",)
+
+
 class FastPathError(UnsupportedConfigError):
     pass
 
@@ -62,6 +66,7 @@ class _Layer:
     router: object | None = None  # HF router module: its skew bias (moecg.models.skew) is read at each call
     top_k: int = 0
     norm_topk: bool = False
+    route: object | None = None  # the adapter's RouterSpec of this layer's router
     route_dtype: torch.dtype | None = None
     shared_inter: int = 0
     shared_gate_col: int | None = None
@@ -117,7 +122,6 @@ class FastDecode:
         self.model = model
         self.on_layer = None
         self.adapter = ad = adapter_for(model)
-        self.family = ad.family
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.ops = get_ops(backend, self.device)
@@ -134,16 +138,16 @@ class FastDecode:
         for i, layer in enumerate(ad.layers(model)):
             at = getattr(layer, ad.attn)
             window = windows[i]
-            qkv = [at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]
-            bias = [at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]
-            n_q = at.q_proj.weight.shape[0] // at.head_dim
-            n_kv = at.k_proj.weight.shape[0] // at.head_dim
+            qkv, bias = ad.qkv_of(at)
+            n_q = qkv[0].shape[0] // at.head_dim
+            n_kv = qkv[1].shape[0] // at.head_dim
+            o_proj = ad.o_of(at)
             L = _Layer(
                 in_w=getattr(layer, ad.input_norm).weight, in_eps=_eps(getattr(layer, ad.input_norm)),
                 post_w=getattr(layer, ad.post_norm).weight, post_eps=_eps(getattr(layer, ad.post_norm)),
                 wqkv=_concat_params(qkv),
                 bqkv=_concat_params(bias) if all(b is not None for b in bias) else None,
-                wo=at.o_proj.weight, bo=at.o_proj.bias, n_q=n_q, n_kv=n_kv, head_dim=at.head_dim,
+                wo=o_proj.weight, bo=o_proj.bias, n_q=n_q, n_kv=n_kv, head_dim=at.head_dim,
                 scaling=float(at.scaling), window=window,
                 q_norm=at.q_norm.weight if hasattr(at, "q_norm") else None,
                 k_norm=at.k_norm.weight if hasattr(at, "k_norm") else None,
@@ -157,17 +161,20 @@ class FastDecode:
                 router_logit_bias(router)  # refuses a router forward it cannot reproduce, before any CUDA work
                 L.router = router
                 L.experts = getattr(block, ad.experts)
-                L.top_k = int(router.top_k)
-                L.norm_topk = bool(getattr(router, "norm_topk_prob", True))
-                # Mixtral's router keeps fp32 weights; the Qwen routers cast them to the logits' dtype
-                L.route_dtype = torch.float32 if self.family == "mixtral" else self.dtype
+                spec = ad.router_spec(router)
+                if spec.kind not in FUSED_ROUTER_KINDS:
+                    raise FastPathError(f"capture.kernels=fused has no router kernel for router kind {spec.kind!r} "
+                                        f"(has: {', '.join(FUSED_ROUTER_KINDS)}); use capture.kernels=hf")
+                L.route = spec
+                L.top_k, L.norm_topk = spec.top_k, spec.normalize
+                L.route_dtype = torch.float32 if spec.weights_fp32 else self.dtype
                 rows = []
                 shared = ad.shared_expert_of(layer)
                 if shared is not None:
-                    L.shared_inter = shared.gate_proj.weight.shape[0]
-                    rows += [shared.gate_proj.weight, shared.up_proj.weight]
-                    L.w_sdown = shared.down_proj.weight
-                    sg = getattr(block, ad.shared_expert_gate) if ad.shared_expert_gate else None
+                    s_gate, s_up, L.w_sdown = ad.mlp_weights(shared)
+                    L.shared_inter = s_gate.shape[0]
+                    rows += [s_gate, s_up]
+                    sg = ad.shared_gate_of(layer)
                     if sg is not None:
                         L.shared_gate_col = 2 * L.shared_inter
                         rows.append(sg.weight)

@@ -27,6 +27,27 @@ def rope_type(config) -> str:
     return rope.get("rope_type", rope.get("type", "default")) or "default"
 
 
+# Router kinds: how a family's router turns logits into (top-k ids, combine weights). Each kind has one HF-exact
+# implementation per path: moecg.kernels.ref (fused step) and moecg.models.skew (router skew on HF's modules).
+ROUTER_KINDS = {
+    "softmax_topk": "softmax over all experts in fp32, top-k, optionally renormalised (Mixtral, Qwen2/3-MoE, OLMoE)",
+}
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """What a router computes, read off the built module: everything a path that routes by itself needs."""
+
+    kind: str  # a key of ROUTER_KINDS
+    num_experts: int
+    top_k: int
+    normalize: bool  # renormalise the top-k weights to sum 1
+    weights_fp32: bool  # the combine weights stay fp32 (Mixtral) instead of the logits' dtype
+    scaling: float = 1.0  # routed scaling factor applied to the combine weights
+    n_group: int = 1  # group-limited routing: experts in n_group groups, top topk_group groups kept
+    topk_group: int = 1
+
+
 @dataclass(frozen=True)
 class FamilyAdapter:
     family: str
@@ -37,7 +58,16 @@ class FamilyAdapter:
     router: str = "gate"
     experts: str = "experts"
     shared_expert: str | None = None
-    shared_expert_gate: str | None = None
+    shared_expert_gate: str | None = None  # a [1, D] linear whose sigmoid scales the shared expert (Qwen2-MoE)
+    # attention projections and the (shared / dense) MLP's projections, by attribute name
+    q_proj: str = "q_proj"
+    k_proj: str = "k_proj"
+    v_proj: str = "v_proj"
+    o_proj: str = "o_proj"
+    mlp_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    router_kind: str = "softmax_topk"
+    router_weights_fp32: bool = False  # Mixtral's router returns fp32 combine weights; the others the logits' dtype
+    router_normalize_default: bool = True  # when the router has no norm_topk_prob attribute
 
     # -- model level ------------------------------------------------------------------------------
     def layers(self, model: nn.Module) -> nn.ModuleList:
@@ -150,6 +180,29 @@ class FamilyAdapter:
         block = self.moe_block(layer)
         return None if block is None or self.shared_expert is None else getattr(block, self.shared_expert)
 
+    def router_spec(self, router: nn.Module) -> RouterSpec:
+        return RouterSpec(self.router_kind, int(router.weight.shape[0]), int(router.top_k),
+                          bool(getattr(router, "norm_topk_prob", self.router_normalize_default)),
+                          self.router_weights_fp32,
+                          float(getattr(router, "routed_scaling_factor", 1.0) or 1.0),
+                          int(getattr(router, "num_group", 1) or 1), int(getattr(router, "topk_group", 1) or 1))
+
+    def qkv_of(self, attn: nn.Module) -> tuple[list, list]:
+        """([q, k, v] weights, [q, k, v] biases or None each) of a standard attention module."""
+        mods = [getattr(attn, n) for n in (self.q_proj, self.k_proj, self.v_proj)]
+        return [m.weight for m in mods], [m.bias for m in mods]
+
+    def o_of(self, attn: nn.Module) -> nn.Module:
+        return getattr(attn, self.o_proj)
+
+    def mlp_weights(self, mlp: nn.Module) -> tuple:
+        """(gate [I, D], up [I, D], down [D, I]) weights of a gated MLP (shared expert or dense layer)."""
+        return tuple(getattr(mlp, n).weight for n in self.mlp_projs)
+
+    def shared_gate_of(self, layer: nn.Module) -> nn.Module | None:
+        block = self.moe_block(layer)
+        return None if block is None or self.shared_expert_gate is None else getattr(block, self.shared_expert_gate)
+
     def moe_layers(self, model: nn.Module) -> list[tuple[int, nn.Module]]:
         """(layer index, experts module) for every decoder layer that has routed experts."""
         out = []
@@ -161,7 +214,7 @@ class FamilyAdapter:
 
 
 ADAPTERS = {
-    "mixtral": FamilyAdapter("mixtral"),
+    "mixtral": FamilyAdapter("mixtral", router_weights_fp32=True),
     "qwen2_moe": FamilyAdapter("qwen2_moe", shared_expert="shared_expert", shared_expert_gate="shared_expert_gate"),
     "qwen3_moe": FamilyAdapter("qwen3_moe"),
 }

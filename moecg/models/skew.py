@@ -20,17 +20,22 @@ def skew_bias(num_experts: int, skew: float, generator: torch.Generator) -> torc
     return -skew * torch.log1p(rank.double()).float()  # [E]
 
 
-def _skewed_router_forward(self, hidden_states):
-    # Mirrors HF's TopKRouter.forward for the three families, plus the bias on the logits.
+def _skewed_softmax_topk(self, hidden_states):
+    # Mirrors HF's TopKRouter.forward for router kind softmax_topk, plus the bias on the logits.
+    spec = self._moecg_spec
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)  # [T, D]
     logits = F.linear(hidden_states, self.weight) + self._moecg_skew.to(hidden_states.dtype)  # [T, E]
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
     top_v, top_i = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
-    if getattr(self, "norm_topk_prob", True):  # Mixtral always renormalises; Qwen per config
+    if spec.normalize:
         top_v = top_v / top_v.sum(dim=-1, keepdim=True)
-    if self._moecg_cast_scores:
+    if not spec.weights_fp32:
         top_v = top_v.to(logits.dtype)
     return logits, top_v, top_i
+
+
+# one skewed forward per router kind (moecg.models.adapter.ROUTER_KINDS): the bias always acts on the logits
+SKEWED_FORWARDS = {"softmax_topk": _skewed_softmax_topk}
 
 
 def apply_router_skew(model, skew: float, seed: int = 0) -> None:
@@ -44,13 +49,16 @@ def apply_router_skew(model, skew: float, seed: int = 0) -> None:
         return
     adapter = adapter_for(model)
     gen = torch.Generator().manual_seed(seed + 7919)
+    if adapter.router_kind not in SKEWED_FORWARDS:
+        raise ValueError(f"model.router_skew: no skewed router for router kind {adapter.router_kind!r} "
+                         f"({adapter.family}); use model.router_skew=0")
     for layer in adapter.layers(model):
         router = adapter.router_of(layer)
         if router is None:
             continue
         router._moecg_skew = skew_bias(router.num_experts, skew, gen).to(router.weight.device)
-        router._moecg_cast_scores = adapter.family != "mixtral"  # Mixtral's router returns fp32 scores
-        router.forward = types.MethodType(_skewed_router_forward, router)
+        router._moecg_spec = adapter.router_spec(router)
+        router.forward = types.MethodType(SKEWED_FORWARDS[adapter.router_kind], router)
 
 
 def router_logit_bias(router) -> torch.Tensor | None:
@@ -60,7 +68,7 @@ def router_logit_bias(router) -> torch.Tensor | None:
     Raises if the router's forward was replaced by anything else: a path that bypasses it would silently ignore it.
     """
     fwd = router.__dict__.get("forward")
-    if fwd is not None and getattr(fwd, "__func__", None) is not _skewed_router_forward:
+    if fwd is not None and getattr(fwd, "__func__", None) not in SKEWED_FORWARDS.values():
         raise ValueError(f"{type(router).__name__}.forward is patched by something other than moecg's router skew: "
                          "the fused decode step cannot honour it; use capture.kernels=hf")
     return router.__dict__.get("_moecg_skew")
@@ -73,5 +81,5 @@ def remove_router_skew(model) -> None:
     for layer in adapter.layers(model):
         router = adapter.router_of(layer)
         if router is not None:
-            for attr in ("forward", "_moecg_skew", "_moecg_cast_scores"):
+            for attr in ("forward", "_moecg_skew", "_moecg_spec"):
                 router.__dict__.pop(attr, None)
