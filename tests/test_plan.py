@@ -120,3 +120,27 @@ def test_fp32_grouped_mm_fallback_that_cannot_fit_is_refused():
                                         r"use model\.dtype=bf16"):
         check_fits(on_gpu, available=140 * 2**30)
     check_fits(dataclasses.replace(plan, device=torch.device("cuda"), dtype=torch.bfloat16), available=140 * 2**30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override,key", [
+    ("batch_size=2.5", "batch_size"), ("measure.repeats=0", "measure.repeats"), ("model.router_skew=abc", "model.router_skew"),
+    ("seed=abc", "seed"), ("model.pretrained_path=/no/such/dir", "model.pretrained_path"),
+    ("new_tokens=100000", "new_tokens"), ("+dispatch.capacity_factor=0", "dispatch.capacity_factor"),
+])
+def test_cli_bad_input_one_line_and_failed_record(tmp_path, override, key):
+    """Through the CLI: exit 1, one stderr line naming the key, results.json with status failed in phase plan."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    extra = ["model=local"] if "pretrained_path" in override else []
+    p = subprocess.run([sys.executable, "-m", "moecg.run", *extra, override, f"hydra.run.dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+    assert p.returncode == 1
+    failed = [ln for ln in p.stderr.splitlines() if ln.startswith("moecg: job failed")]
+    assert len(failed) == 1 and key in failed[0] and "Traceback" not in p.stderr, p.stderr
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["status"] == "failed" and r["phase"] == "plan" and key in r["error"] and "\n" not in r["error"]
+    assert not (tmp_path / "wandb").exists()  # nothing half-written beside the record
