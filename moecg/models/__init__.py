@@ -6,7 +6,7 @@ from pathlib import Path
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from moecg.models.adapter import ADAPTERS, FamilyAdapter, adapter_for
 from moecg.models.skew import apply_router_skew, remove_router_skew
@@ -55,6 +55,14 @@ class BuiltModel:
     build_s: float
 
 
+def _attn_implementation(model_cls, requested: str) -> str:
+    """sdpa is moecg's default, as it is HF's; a class without it (GPT-OSS: its attention sinks need the eager kernel)
+    runs eager, as HF does when no implementation is asked for."""
+    if requested == "sdpa" and not getattr(model_cls, "_supports_sdpa", True):
+        return "eager"
+    return requested
+
+
 def build_model(preset: str | None = None, *, pretrained_path: str | None = None, num_layers: int | None = None,
                 dtype: str | None = "auto", device: str | None = "auto", seed: int = 0, router_skew: float = 0.0,
                 attn_implementation: str = "sdpa", config_overrides: dict | None = None) -> BuiltModel:
@@ -69,16 +77,18 @@ def build_model(preset: str | None = None, *, pretrained_path: str | None = None
         kwargs = {}
         if num_layers is not None:
             kwargs["num_hidden_layers"] = num_layers
+        _, model_cls = FAMILIES[family_of_config(AutoConfig.from_pretrained(pretrained_path, local_files_only=True))]
         # no device_map: that path needs `accelerate`; a small checkpoint loads on CPU, then moves once
-        model = AutoModelForCausalLM.from_pretrained(pretrained_path, dtype=dt,
-                                                     attn_implementation=attn_implementation, **kwargs).to(dev)
+        model = AutoModelForCausalLM.from_pretrained(
+            pretrained_path, dtype=dt, attn_implementation=_attn_implementation(model_cls, attn_implementation),
+            **kwargs).to(dev)
         name = preset or str(pretrained_path).rstrip("/").split("/")[-1]
     else:
         if preset is None:
             raise ValueError("give model.preset (e.g. mixtral_tiny) or model.pretrained_path=/dir/with/config.json")
         config = make_config(preset, num_layers, config_overrides)
-        config._attn_implementation = attn_implementation
         _, model_cls = FAMILIES[family_of_config(config)]
+        config._attn_implementation = _attn_implementation(model_cls, attn_implementation)
         # Built on the target device in the target dtype: HF's init then runs there (seconds for 46B on a GPU).
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dt)

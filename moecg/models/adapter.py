@@ -31,6 +31,32 @@ def rope_type(config) -> str:
 # implementation per path: moecg.kernels.ref (fused step) and moecg.models.skew (router skew on HF's modules).
 ROUTER_KINDS = {
     "softmax_topk": "softmax over all experts in fp32, top-k, optionally renormalised (Mixtral, Qwen2/3-MoE, OLMoE)",
+    "softmax_group": "fp32 logits, softmax over all experts, greedy or group-limited (best expert per group) top-k, "
+                     "times routed_scaling_factor, never renormalised (DeepSeek-V2)",
+    "sigmoid_group": "fp32 logits, sigmoid; e_score_correction_bias added to pick topk_group of n_group groups (sum of "
+                     "each group's best two) and the top-k in them; weights the unbiased sigmoids, optionally "
+                     "renormalised, times routed_scaling_factor (DeepSeek-V3, GLM-4-MoE)",
+    "topk_softmax": "top-k of the logits (linear with bias), softmax over those k in the logits' dtype (GPT-OSS)",
+}
+
+# Attention kinds: what a decoder layer's attention computes and what its KV cache holds (`kv_shapes`).
+ATTENTION_KINDS = {
+    "standard": "q/k/v/o projections (optional per-head q/k RMSNorm), rotary on q/k; the cache holds per-head K and V",
+    "mla": "multi-head latent attention (DeepSeek-V2/V3): the cache holds the normalised KV latent [1, kv_lora_rank] and "
+           "the shared rotary key [1, qk_rope_head_dim] per token, expanded to every head's K and V at each step",
+}
+# How a family's modeling code picks each layer's attention window (FamilyAdapter.attention_windows).
+WINDOW_RULES = ("all", "layer_types", "none")
+# Decode-math features beyond standard attention and SiLU-gated bias-free experts (FamilyAdapter.features). HF's
+# modules run them all; the fused step runs a family only when moecg.fast declares each of its features in
+# FUSED_FEATURES (and its router kind in FUSED_ROUTER_KINDS): a declaration, so support lands in fast.py alone.
+FEATURES = {
+    "qk_norm_full": "q/k RMSNorm over the whole q/k projection, before the head split (OLMoE)",
+    "partial_rotary": "rotary on the first partial_rotary_factor * head_dim dims of each head, the rest passed "
+                      "through (GLM-4-MoE)",
+    "attention_sinks": "a learned per-head sink logit joins each attention softmax (GPT-OSS)",
+    "clamped_swiglu_experts": "experts with biases, [E, D, 2I] / [E, I, D] weights, gate/up interleaved, clamped "
+                              "SwiGLU (up + 1) * gate * sigmoid(alpha * gate) (GPT-OSS)",
 }
 
 
@@ -68,6 +94,11 @@ class FamilyAdapter:
     router_kind: str = "softmax_topk"
     router_weights_fp32: bool = False  # Mixtral's router returns fp32 combine weights; the others the logits' dtype
     router_normalize_default: bool = True  # when the router has no norm_topk_prob attribute
+    attention: str = "standard"  # a key of ATTENTION_KINDS
+    windows: str = "all"  # a WINDOW_RULES entry: how the modeling code picks each layer's window
+    moe_returns_tuple: bool = False  # the MoE block returns (hidden, router scores) (GPT-OSS), not hidden
+    static_features: tuple[str, ...] = ()  # FEATURES keys every model of the family has
+    partial_rotary: bool = False  # the attention rotates only partial_rotary_factor of each head (GLM-4-MoE)
 
     # -- model level ------------------------------------------------------------------------------
     def layers(self, model: nn.Module) -> nn.ModuleList:
@@ -80,10 +111,34 @@ class FamilyAdapter:
         return config.num_experts_per_tok
 
     def head_dim(self, config) -> int:
-        """Per-head size as the family's attention module computes it."""
+        """Per-head size of q and k as the family's attention module computes it (MLA: qk_nope + qk_rope, the size the
+        softmax scale is taken of; its V heads are v_head_dim)."""
+        if self.attention == "mla":  # DeepseekV2/V3Attention.qk_head_dim (config.head_dim is the rotary part only)
+            return config.qk_nope_head_dim + config.qk_rope_head_dim
         if self.family == "qwen2_moe":  # Qwen2MoeAttention: getattr(config, "head_dim", hidden // heads)
             return getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def features(self, config) -> tuple[str, ...]:
+        """The FEATURES this config's decode step has."""
+        out = list(self.static_features)
+        if self.partial_rotary and _partial_rotary_factor(config) < 1.0:
+            out.append("partial_rotary")
+        return tuple(out)
+
+    def kv_shapes(self, config) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((heads, dim) of a cached key, (heads, dim) of a cached value) per token and layer, as the family's attention
+        writes them with cache.update. MLA (transformers 5.24) caches the latent, not per-head K/V: the normalised KV
+        latent as "keys" [1, kv_lora_rank] and the rotary key shared by all heads as "values" [1, qk_rope_head_dim]."""
+        if self.attention == "mla":
+            return (1, config.kv_lora_rank), (1, config.qk_rope_head_dim)
+        kv = (config.num_key_value_heads, self.head_dim(config))
+        return kv, kv
+
+    def kv_elems_per_token(self, config) -> int:
+        """Cached elements one token adds to one layer (keys + values)."""
+        (hk, dk), (hv, dv) = self.kv_shapes(config)
+        return hk * dk + hv * dv
 
     def attention_windows(self, config) -> list[int]:
         """The attention window of each decoder layer, 0 = full causal attention; a query at position p sees keys
@@ -92,13 +147,16 @@ class FamilyAdapter:
         Exactly as each family's modeling code (transformers 5.24) picks a layer's mask:
           Mixtral, Qwen3-MoE: every layer slides iff config.sliding_window is not None (Qwen3MoeConfig sets it to None
             unless use_sliding_window; neither family reads layer_types or max_window_layers);
-          Qwen2-MoE: layer i slides iff config.layer_types[i] == "sliding_attention" (Qwen2MoeConfig derives
-            layer_types from use_sliding_window and max_window_layers: even i < max_window_layers), window
-            config.sliding_window.
+          Qwen2-MoE, GPT-OSS: layer i slides iff config.layer_types[i] == "sliding_attention" (Qwen2MoeConfig derives
+            layer_types from use_sliding_window and max_window_layers: even i < max_window_layers; GptOssConfig
+            alternates sliding, full, ...), window config.sliding_window;
+          DeepSeek-V2/V3, GLM-4-MoE, OLMoE: no layer slides (their models build a causal mask only).
         """
         n = config.num_hidden_layers
         sw = getattr(config, "sliding_window", None)
-        if self.family == "qwen2_moe":
+        if self.windows == "none":
+            return [0] * n
+        if self.windows == "layer_types":
             types = getattr(config, "layer_types", None) or ["full_attention"] * n
             return [int(sw or 0) if t == "sliding_attention" else 0 for t in types[:n]]
         return [int(sw) if sw is not None else 0] * n
@@ -124,8 +182,9 @@ class FamilyAdapter:
                    "attend to unwritten slots", "remove is_causal (decoding is causal)")
         sw = getattr(config, "sliding_window", None)
         n = config.num_hidden_layers
-        if self.family == "qwen2_moe":
-            types = list(getattr(config, "layer_types", None) or [])
+        if self.windows == "layer_types":
+            # a longer list is a checkpoint cut with model.num_layers: layer i still reads layer_types[i]
+            types = list(getattr(config, "layer_types", None) or [])[:n]
             if len(types) != n or any(t not in ("full_attention", "sliding_attention") for t in types):
                 refuse("layer_types", f"{types} must name full_attention or sliding_attention for each of the {n} "
                        "layers", "fix layer_types, or leave it unset to derive it from use_sliding_window and "
@@ -134,16 +193,32 @@ class FamilyAdapter:
                 refuse("sliding_window", f"layer_types has sliding_attention layers but sliding_window={sw!r} "
                        "(Qwen2MoeConfig sets it to 0 unless use_sliding_window)",
                        "set use_sliding_window=True and sliding_window > 0, or make every layer full_attention")
-        elif sw is not None and not (isinstance(sw, int) and sw > 0):
+        elif self.windows == "all" and sw is not None and not (isinstance(sw, int) and sw > 0):
             refuse("sliding_window", f"sliding_window={sw!r} masks every key", "set sliding_window > 0 or None")
         rt = rope_type(config)
         if step_graph and kernels == "hf" and rt == "dynamic":
             refuse("rope_parameters", "rope_type=dynamic recomputes the rotary frequencies on the host when the "
                    "sequence outgrows them, which a captured decode step cannot do",
                    "use strategy=layer or partial (the rotary embedding runs eagerly there) or strategy=eager")
+        if self.router_kind in ("sigmoid_group", "softmax_group"):
+            self._check_groups(config, refuse)
         if kernels == "hf":
             return
         # -- kernels=fused: moecg.fast.FastDecode recomputes the decode step from the parameters
+        if self.attention != "standard":
+            refuse("kv_lora_rank", f"capture.kernels=fused runs standard attention only (per-head K/V in the cache); "
+                   f"this model uses {self.attention} attention ({ATTENTION_KINDS[self.attention]})",
+                   "use capture.kernels=hf")
+        from moecg import fast  # the fused step declares what it runs; imported here, as fast imports this module
+
+        if self.router_kind not in fast.FUSED_ROUTER_KINDS:
+            refuse("model_type", f"capture.kernels=fused has no router kernel for router kind {self.router_kind!r} "
+                   f"({ROUTER_KINDS[self.router_kind]}; it has {', '.join(fast.FUSED_ROUTER_KINDS)})",
+                   "use capture.kernels=hf")
+        missing = [f for f in self.features(config) if f not in getattr(fast, "FUSED_FEATURES", ())]
+        if missing:
+            refuse("model_type", "capture.kernels=fused does not compute " +
+                   "; ".join(f"{f} ({FEATURES[f]})" for f in missing), "use capture.kernels=hf")
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             refuse("hidden_act", f"capture.kernels=fused needs SiLU experts (hidden_act={act})",
@@ -162,9 +237,26 @@ class FamilyAdapter:
                     refuse("experts", "capture.kernels=fused: experts with bias are not supported",
                            "use capture.kernels=hf")
 
+    def _check_groups(self, config, refuse) -> None:
+        """Group-limited routing views the experts as [n_group, E / n_group]: refuse what HF's router would crash on."""
+        E, k = self.num_experts(config), self.top_k(config)
+        if self.router_kind == "softmax_group" and getattr(config, "topk_method", "greedy") == "greedy":
+            return  # DeepSeek-V2's greedy top-k ignores the groups
+        g, tg = getattr(config, "n_group", None) or 1, getattr(config, "topk_group", None) or 1
+        if E % g or not 1 <= tg <= g:
+            refuse("n_group", f"group-limited routing needs n_group to divide the {E} experts and 1 <= topk_group <= "
+                   f"n_group (n_group={g}, topk_group={tg})", "fix n_group / topk_group")
+        if self.router_kind == "sigmoid_group" and E // g < 2:
+            refuse("n_group", f"sigmoid_group routing scores each group by its best two experts, so groups need at "
+                   f"least 2 experts ({E} experts in {g} groups)", "lower n_group")
+        if k > E // g * tg:
+            refuse("num_experts_per_tok", f"top-{k} of the {E // g * tg} experts in the topk_group={tg} kept groups "
+                   "would pick masked experts", "raise topk_group or lower num_experts_per_tok")
+
     # -- layer level ------------------------------------------------------------------------------
     def moe_block(self, layer: nn.Module) -> nn.Module | None:
-        """The sparse MoE block of a decoder layer, or None for a dense layer (Qwen `mlp_only_layers`)."""
+        """The sparse MoE block of a decoder layer, or None for a dense layer (Qwen `mlp_only_layers`, DeepSeek and
+        GLM's first_k_dense_replace layers): a block without routed experts and a router is never counted as routed."""
         block = getattr(layer, self.moe)
         return block if hasattr(block, self.experts) and hasattr(block, self.router) else None
 
@@ -181,11 +273,18 @@ class FamilyAdapter:
         return None if block is None or self.shared_expert is None else getattr(block, self.shared_expert)
 
     def router_spec(self, router: nn.Module) -> RouterSpec:
+        # DeepSeek-V2's topk_method=greedy ignores n_group/topk_group: the spec records what the router computes
+        grouped = getattr(router, "topk_method", "group_limited") != "greedy"
         return RouterSpec(self.router_kind, int(router.weight.shape[0]), int(router.top_k),
                           bool(getattr(router, "norm_topk_prob", self.router_normalize_default)),
                           self.router_weights_fp32,
                           float(getattr(router, "routed_scaling_factor", 1.0) or 1.0),
-                          int(getattr(router, "num_group", 1) or 1), int(getattr(router, "topk_group", 1) or 1))
+                          int(getattr(router, "num_group", 1) or 1) if grouped else 1,
+                          int(getattr(router, "topk_group", 1) or 1) if grouped else 1)
+
+    def moe_output(self, out):
+        """The hidden states of a MoE block's (or dense MLP's) output: GPT-OSS's block also returns router scores."""
+        return out[0] if self.moe_returns_tuple and isinstance(out, tuple) else out
 
     def qkv_of(self, attn: nn.Module) -> tuple[list, list]:
         """([q, k, v] weights, [q, k, v] biases or None each) of a standard attention module."""
@@ -213,10 +312,27 @@ class FamilyAdapter:
         return out
 
 
+def _partial_rotary_factor(config) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
+
+
 ADAPTERS = {
     "mixtral": FamilyAdapter("mixtral", router_weights_fp32=True),
-    "qwen2_moe": FamilyAdapter("qwen2_moe", shared_expert="shared_expert", shared_expert_gate="shared_expert_gate"),
+    "qwen2_moe": FamilyAdapter("qwen2_moe", shared_expert="shared_expert", shared_expert_gate="shared_expert_gate",
+                               windows="layer_types"),
     "qwen3_moe": FamilyAdapter("qwen3_moe"),
+    # MLA, dense first_k_dense_replace layers, ungated shared experts; the router runs in fp32
+    "deepseek_v3": FamilyAdapter("deepseek_v3", shared_expert="shared_experts", router_kind="sigmoid_group",
+                                 router_weights_fp32=True, attention="mla", windows="none"),
+    "deepseek_v2": FamilyAdapter("deepseek_v2", shared_expert="shared_experts", router_kind="softmax_group",
+                                 router_weights_fp32=True, router_normalize_default=False, attention="mla",
+                                 windows="none"),
+    "glm4_moe": FamilyAdapter("glm4_moe", shared_expert="shared_experts", router_kind="sigmoid_group",
+                              router_weights_fp32=True, windows="none", partial_rotary=True),
+    "olmoe": FamilyAdapter("olmoe", windows="none", static_features=("qk_norm_full",)),
+    "gpt_oss": FamilyAdapter("gpt_oss", router="router", router_kind="topk_softmax", windows="layer_types",
+                             moe_returns_tuple=True, static_features=("attention_sinks", "clamped_swiglu_experts")),
 }
 
 
