@@ -57,7 +57,11 @@ FEATURES = {
     "attention_sinks": "a learned per-head sink logit joins each attention softmax (GPT-OSS)",
     "clamped_swiglu_experts": "experts with biases, [E, D, 2I] / [E, I, D] weights, gate/up interleaved, clamped "
                               "SwiGLU (up + 1) * gate * sigmoid(alpha * gate) (GPT-OSS)",
+    "rmsnorm_cast_last": "RMSNorm multiplies the fp32 normalised x by the weight, then casts (GPT-OSS; Llama-style "
+                         "norms cast first, then multiply)",
 }
+# Router kinds whose logits GEMM runs in fp32 (hidden states and weight cast to fp32, as HF's router forward does).
+ROUTER_LOGITS_FP32 = ("softmax_group", "sigmoid_group")
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,20 @@ class RouterSpec:
     scaling: float = 1.0  # routed scaling factor applied to the combine weights
     n_group: int = 1  # group-limited routing: experts in n_group groups, top topk_group groups kept
     topk_group: int = 1
+    logits_fp32: bool = False  # the logits GEMM runs in fp32 (ROUTER_LOGITS_FP32), whatever the weight's dtype
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """How a layer's routed experts compute, read off the built module (HF declares layout and bias on it)."""
+
+    act: str  # "silu": silu(gate) * up; "swiglu_clamp": GPT-OSS's (up.clamp(+-limit) + 1) * g * sigmoid(alpha * g),
+    #           g = gate.clamp(max=limit)
+    interleaved: bool  # gate/up columns alternate g0 u0 g1 u1 ... (HF is_concatenated=False) instead of two halves
+    transposed: bool  # [E, D, 2I] / [E, I, D] weights (HF is_transposed) instead of [E, 2I, D] / [E, D, I]
+    has_bias: bool  # gate_up_proj_bias [E, 2I] and down_proj_bias [E, D]
+    alpha: float = 1.0
+    limit: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -233,7 +251,8 @@ class FamilyAdapter:
                    "use capture.kernels=hf")
         if model is not None:
             for layer in self.layers(model):
-                if self.moe_block(layer) is not None and getattr(self.experts_of(layer), "has_bias", False):
+                if self.moe_block(layer) is not None and getattr(self.experts_of(layer), "has_bias", False) \
+                        and "clamped_swiglu_experts" not in self.features(config):  # that feature has biases
                     refuse("experts", "capture.kernels=fused: experts with bias are not supported",
                            "use capture.kernels=hf")
 
@@ -280,7 +299,26 @@ class FamilyAdapter:
                           self.router_weights_fp32,
                           float(getattr(router, "routed_scaling_factor", 1.0) or 1.0),
                           int(getattr(router, "num_group", 1) or 1) if grouped else 1,
-                          int(getattr(router, "topk_group", 1) or 1) if grouped else 1)
+                          int(getattr(router, "topk_group", 1) or 1) if grouped else 1,
+                          logits_fp32=self.router_kind in ROUTER_LOGITS_FP32)
+
+    def router_biases(self, router: nn.Module) -> tuple:
+        """(bias the router's linear adds to its logits (GPT-OSS), bias added to the scores for the choice only
+        (DeepSeek-V3 / GLM-4-MoE e_score_correction_bias)); None where the router has none."""
+        return getattr(router, "bias", None), getattr(router, "e_score_correction_bias", None)
+
+    def expert_spec(self, experts: nn.Module) -> ExpertSpec:
+        if "clamped_swiglu_experts" in self.static_features:  # GptOssExperts._apply_gate
+            return ExpertSpec("swiglu_clamp", not getattr(experts, "is_concatenated", True),
+                              bool(getattr(experts, "is_transposed", False)), bool(getattr(experts, "has_bias", False)),
+                              float(experts.alpha), float(experts.limit))
+        return ExpertSpec("silu", not getattr(experts, "is_concatenated", True),
+                          bool(getattr(experts, "is_transposed", False)), bool(getattr(experts, "has_bias", False)))
+
+    def rotary_dim(self, config) -> int:
+        """Dims of each q/k head the rotary embedding turns (the first ones; partial_rotary_factor, GLM-4-MoE)."""
+        hd = self.head_dim(config)
+        return int(hd * _partial_rotary_factor(config)) if self.partial_rotary else hd
 
     def moe_output(self, out):
         """The hidden states of a MoE block's (or dense MLP's) output: GPT-OSS's block also returns router scores."""
@@ -332,7 +370,8 @@ ADAPTERS = {
                               router_weights_fp32=True, windows="none", partial_rotary=True),
     "olmoe": FamilyAdapter("olmoe", windows="none", static_features=("qk_norm_full",)),
     "gpt_oss": FamilyAdapter("gpt_oss", router="router", router_kind="topk_softmax", windows="layer_types",
-                             moe_returns_tuple=True, static_features=("attention_sinks", "clamped_swiglu_experts")),
+                             moe_returns_tuple=True, static_features=("attention_sinks", "clamped_swiglu_experts",
+                                                                      "rmsnorm_cast_last")),
 }
 
 
