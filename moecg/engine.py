@@ -1,6 +1,7 @@
 """Decode engine: eager prefill, then greedy decode on a StaticCache, one step at a time.
 
-Dims: B rows run (a bucket, >= n), n real rows, S prompt tokens, V vocab, L cache length, H kv heads, Dh head dim.
+Dims: B rows run (a bucket, >= n), n real rows, S prompt tokens, V vocab, L cache length, H kv heads, Dh head dim
+(keys and values may differ in both: MLA caches its latent, FamilyAdapter.kv_shapes).
 The engine owns the loop; a capture strategy only replaces `step_impl` (the whole decode step) or wraps
 modules of the model (single layers). Rows are "slots" in one StaticCache sized for the largest row count:
 a forward over B rows uses a view of the first B rows, so a batch that shrinks is compacted to the front and
@@ -35,7 +36,8 @@ class CacheOverflowError(ValueError):
 
 
 def _kv_shape(config):
-    return config.num_key_value_heads, adapter_for(config).head_dim(config)
+    """((heads, dim) of a cached key, (heads, dim) of a cached value): they differ for MLA, which caches its latent."""
+    return adapter_for(config).kv_shapes(config)
 
 
 def linear_cache_config(config):
@@ -68,8 +70,12 @@ class RowCache:
         self.config, self.max_rows, self.max_cache_len = config, max_rows, max_cache_len
         self._cache_config = linear_cache_config(config)
         self.full = _linear_static_cache(self._cache_config, max_cache_len)
-        heads, head_dim = _kv_shape(config)
-        self.full.early_initialization(max_rows, heads, head_dim, dtype, device)
+        (hk, dk), (hv, dv) = _kv_shape(config)
+        # StaticCache.early_initialization gives keys and values one shape; MLA's differ, so each layer is
+        # initialised from empty [B, H, 0, D] stand-ins of its own key and value (no data allocated for them)
+        for layer in self.full.layers:
+            layer.lazy_initialization(torch.zeros(max_rows, hk, 0, dk, dtype=dtype, device=device),
+                                      torch.zeros(max_rows, hv, 0, dv, dtype=dtype, device=device))
         self._views: dict[int, StaticCache] = {max_rows: self.full}
 
     def view(self, rows: int) -> StaticCache:

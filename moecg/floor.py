@@ -39,15 +39,22 @@ def floor_bytes(model, adapter, experts_hit: list[int], rows: int, context: int)
     total += rows * cfg.hidden_size * next(model.parameters()).element_size()  # embedding rows
     moe = adapter.moe_layers(model)
     for (_, experts), hit in zip(moe, experts_hit):
-        per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * experts.gate_up_proj.element_size()
+        per_expert = sum(p[0].numel() for p in _expert_params(experts)) * experts.gate_up_proj.element_size()
         total += hit * per_expert
-    heads = cfg.num_key_value_heads
-    head_dim = adapter.head_dim(cfg)
     kv_bytes = next(model.parameters()).element_size()
     # a sliding-window layer reads only the keys inside its window
     live = sum(min(context, w) if w else context for w in adapter.attention_windows(cfg))
-    total += 2 * rows * heads * head_dim * live * kv_bytes
+    # keys + values per token as the cache holds them (MLA: its latent, FamilyAdapter.kv_shapes)
+    total += rows * adapter.kv_elems_per_token(cfg) * live * kv_bytes
     return float(total)
+
+
+def _expert_params(experts) -> list:
+    """The [E, ...] parameters of an experts module: weights, and biases where it has them (GPT-OSS)."""
+    names = ["gate_up_proj", "down_proj"]
+    if getattr(experts, "has_bias", False):
+        names += ["gate_up_proj_bias", "down_proj_bias"]
+    return [getattr(experts, n) for n in names]
 
 
 def step_floor_ms(engine, adapter, prompts, bandwidth_gbps: float | None, context: int,

@@ -348,9 +348,12 @@ def _param_bytes(config, dtype_bytes: int) -> tuple[int, int]:
 
 
 def _kv_bytes_per_layer(plan: RunPlan, dtype_bytes: int) -> int:
+    from moecg.models.adapter import ADAPTERS
+
     cfg = plan.model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * plan.max_rows * cfg.num_key_value_heads * head_dim * plan.max_cache_len * dtype_bytes
+    # keys + values per token as the cache holds them (MLA: its latent, not per-head K/V)
+    per_token = ADAPTERS[plan.model.family].kv_elems_per_token(cfg)
+    return plan.max_rows * per_token * plan.max_cache_len * dtype_bytes
 
 
 def estimate_memory(plan: RunPlan) -> int:

@@ -79,7 +79,7 @@ class LayerGraphs:
 
         def forward(hidden_states, *args, **kwargs):
             h, normed = self._call(idx, graphed, (hidden_states, *args), kwargs)
-            return h + mlp(normed)
+            return h + a.moe_output(mlp(normed))  # GPT-OSS's block also returns its router scores
 
         return forward
 

@@ -94,27 +94,54 @@ def make_dispatcher(name: str, **kwargs) -> Dispatcher:
 
 
 def check_experts(experts) -> None:
-    """moecg's dispatchers cover gated, non-transposed, bias-free experts (all three supported families)."""
-    if not getattr(experts, "has_gate", True) or getattr(experts, "has_bias", False) \
-            or getattr(experts, "is_transposed", False):
+    """moecg's dispatchers cover gated experts in either HF layout ([E, 2I, D] / [E, D, I], or `is_transposed`
+    [E, D, 2I] / [E, I, D]), with or without biases, applying the module's own `_apply_gate` (HF's chunked
+    act(gate) * up, or a family's own, e.g. GPT-OSS's interleaved clamped SwiGLU): every family moecg knows."""
+    if not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
         raise NotImplementedError(
-            f"{type(experts).__name__}: moecg dispatchers support gated experts without bias in [E, 2I, D] layout; "
-            "use dispatch=dynamic for this model"
+            f"{type(experts).__name__}: moecg dispatchers support gated experts (gate_up_proj) without a post-expert "
+            "norm; use dispatch=dynamic for this model"
         )
 
 
-def expert_mlp_grouped(experts, x_sorted, offsets):
-    """x_sorted [S, D] grouped by expert, offsets [E] int32 cumulative -> [S, D]; rows past offsets[-1] undefined."""
-    gate_up = grouped_mm(x_sorted, experts.gate_up_proj.transpose(1, 2), offsets)  # [S, 2I]
-    h = experts._apply_gate(gate_up)  # [S, I]
-    return grouped_mm(h, experts.down_proj.transpose(1, 2), offsets)  # [S, D]
+def expert_weights(experts):
+    """(gate_up [E, D, 2I], down [E, I, D], gate_up_bias [E, 2I] | None, down_bias [E, D] | None): the weights as
+    [E, Din, Dout] views whatever the module's layout (HF's `is_transposed`: GPT-OSS stores them that way)."""
+    if getattr(experts, "is_transposed", False):
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+    else:
+        gate_up, down = experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
+    if getattr(experts, "has_bias", False):
+        return gate_up, down, experts.gate_up_proj_bias, experts.down_proj_bias
+    return gate_up, down, None, None
+
+
+def expert_mlp_grouped(experts, x_sorted, offsets, sorted_ids=None):
+    """x_sorted [S, D] grouped by expert, offsets [E] int32 cumulative -> [S, D]; rows past offsets[-1] undefined.
+
+    sorted_ids [S]: each row's expert (pad rows: sentinel E), needed for the biases of biased experts."""
+    gate_up, down, b_gate_up, b_down = expert_weights(experts)
+    h = grouped_mm(x_sorted, gate_up, offsets)  # [S, 2I]
+    if b_gate_up is not None:
+        # pad rows (sentinel E) sort past offsets[-1]: clamping keeps the bias gather in bounds, their rows are dropped
+        e = sorted_ids.clamp(max=experts.num_experts - 1)  # [S]
+        h = h + b_gate_up[e]  # as HF's grouped_mm path: the bias before the gate
+    h = experts._apply_gate(h)  # [S, I]
+    y = grouped_mm(h, down, offsets)  # [S, D]
+    return y + b_down[e] if b_down is not None else y
 
 
 def expert_mlp_padded(experts, x):
-    """x [E, C, D] capacity buffers -> [E, C, D]: one batched GEMM over all experts (graph-safe, reads all E)."""
-    gate_up = torch.bmm(x, experts.gate_up_proj.transpose(1, 2))  # [E, C, 2I]
-    h = experts._apply_gate(gate_up)  # [E, C, I]
-    return torch.bmm(h, experts.down_proj.transpose(1, 2))  # [E, C, D]
+    """x [E, C, D] capacity buffers -> [E, C, D]: one batched GEMM over all experts (graph-safe, reads all E).
+
+    Empty slots get the biases too; the combine never reads them."""
+    gate_up, down, b_gate_up, b_down = expert_weights(experts)
+    h = torch.bmm(x, gate_up)  # [E, C, 2I]
+    if b_gate_up is not None:
+        h = h + b_gate_up[:, None, :]
+    h = experts._apply_gate(h)  # [E, C, I]
+    y = torch.bmm(h, down)  # [E, C, D]
+    return y + b_down[:, None, :] if b_down is not None else y
 
 
 def grouped_mm(x, w, offsets):

@@ -31,7 +31,7 @@ class Dropless(Dispatcher):
         sorted_ids, perm = torch.sort(flat, stable=True)  # [S]
         x = hidden[perm // K]  # [S, D]
         offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E]
-        y = expert_mlp_grouped(experts, x, offsets)  # [S, D]
+        y = expert_mlp_grouped(experts, x, offsets, sorted_ids)  # [S, D]
         # Rows past offsets[-1] (pad rows) are left uninitialised by grouped_mm: zero them, never multiply NaN by 0.
         keep = (sorted_ids < E)[:, None]  # [S, 1]
         y = torch.where(keep, y.float() * w.reshape(-1)[perm, None].float(), 0.0)  # [S, D] fp32

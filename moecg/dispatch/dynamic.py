@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from moecg.dispatch.base import Dispatcher, count_valid, register, route_counts, routed_mass
 
 
@@ -18,8 +20,16 @@ class Dynamic(Dispatcher):
     def forward(self, experts, hidden, idx, w, valid, counters):
         E = experts.num_experts
         idx_m, counts = route_counts(idx, valid, E)  # [T, K], [E]
-        # HF's loop skips expert id E (its one_hot has E+1 classes), so pad rows route nowhere.
-        out = type(experts).forward.__wrapped__(experts, hidden, idx_m, w)  # [T, D]
+        loop = type(experts).forward.__wrapped__  # HF's own loop, whatever experts implementation is set
+        if valid is None:
+            out = loop(experts, hidden, idx, w)  # [T, D]
+        else:
+            # Pad rows leave before the loop rather than routing to sentinel id E: GPT-OSS's loop one-hots over E
+            # classes, where E is out of range. Each expert then sees exactly the real rows it sees unpadded, and
+            # pad rows stay zero. nonzero syncs, as HF's loop does anyway.
+            rows = valid.nonzero().squeeze(1)  # [n]
+            out = torch.zeros_like(hidden)  # [T, D]
+            out[rows] = loop(experts, hidden[rows], idx[rows], w[rows])
         if counters is not None:
             counters.add_routed(counts, routed_mass(idx_m, w, E), count_valid(valid, hidden.shape[0], hidden.device))
         return out

@@ -44,9 +44,21 @@ class Fused(Dropless):
             return False
         from moecg.kernels import triton_ok
 
-        ok = triton_ok(hidden.device) and getattr(experts.act_fn, "__name__", type(experts.act_fn).__name__) \
-            in ("silu", "SiLU", "SiLUActivation")
+        ok = triton_ok(hidden.device) and _kernel_layout(experts)
         if self.kernels == "triton" and not ok:
-            raise RuntimeError("dispatch.kernels=triton: Triton cannot run here (needs CUDA + triton, SiLU experts); "
-                               "use dispatch.kernels=auto")
+            raise RuntimeError("dispatch.kernels=triton: Triton cannot run here (needs CUDA + triton, and bias-free "
+                               "[E, 2I, D] experts with SiLU(gate) * up); use dispatch.kernels=auto")
         return ok
+
+
+def _kernel_layout(experts) -> bool:
+    """What `triton_ops.moe_experts` computes: bias-free [E, 2I, D] / [E, D, I] weights and HF's default gate, SiLU on
+    the first half times the second. Anything else (GPT-OSS's biased, transposed, interleaved clamped SwiGLU) takes
+    the grouped path, which applies the module's own biases and `_apply_gate`."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False) \
+            or type(experts)._apply_gate is not _default_apply_gate:
+        return False
+    act = getattr(experts, "act_fn", None)
+    return getattr(act, "__name__", type(act).__name__) in ("silu", "SiLU", "SiLUActivation")

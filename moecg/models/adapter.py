@@ -236,7 +236,8 @@ class FamilyAdapter:
         missing = [f for f in self.features(config) if f not in getattr(fast, "FUSED_FEATURES", ())]
         if missing:
             refuse("model_type", "capture.kernels=fused does not compute " +
-                   "; ".join(f"{f} ({FEATURES[f]})" for f in missing), "use capture.kernels=hf")
+                   "; ".join(f"{f} ({FEATURES[f]})" for f in missing) + " (moecg.fast.FUSED_FEATURES)",
+                   "use capture.kernels=hf")
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             refuse("hidden_act", f"capture.kernels=fused needs SiLU experts (hidden_act={act})",

@@ -34,8 +34,66 @@ def _skewed_softmax_topk(self, hidden_states):
     return logits, top_v, top_i
 
 
+def _skewed_softmax_group(self, hidden_states):
+    # Mirrors HF's DeepseekV2TopkRouter.forward (router kind softmax_group), plus the bias on the fp32 logits.
+    hidden_states = hidden_states.view(-1, self.hidden_dim)  # [T, D]
+    router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32)) \
+        + self._moecg_skew  # [T, E]
+    scores = router_logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]
+    if self.topk_method == "greedy":
+        topk_weights, topk_indices = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)  # [T, K]
+    elif self.topk_method == "group_limited_greedy":
+        group_scores = scores.view(-1, self.num_group, self.num_experts // self.num_group).max(dim=-1).values  # [T, G]
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = (group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group)
+                      .reshape(-1, self.num_experts))  # [T, E]
+        scores = scores.masked_fill(~score_mask.bool(), 0.0)
+        topk_weights, topk_indices = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+    else:
+        raise ValueError(f"router skew: DeepSeek-V2 topk_method={self.topk_method!r} is not mirrored; "
+                         "use model.router_skew=0")
+    topk_weights = topk_weights * self.routed_scaling_factor
+    return router_logits, topk_weights, topk_indices
+
+
+def _skewed_sigmoid_group(self, hidden_states):
+    # Mirrors HF's DeepseekV3TopkRouter / Glm4MoeTopkRouter.forward (router kind sigmoid_group), plus the bias on the
+    # fp32 logits before the sigmoid: it moves both the choice and the weights, as a trained router's logits would.
+    hidden_states = hidden_states.view(-1, self.hidden_dim)  # [T, D]
+    router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32)) \
+        + self._moecg_skew  # [T, E]
+    scores = router_logits.sigmoid()  # [T, E]
+    scores_for_choice = scores + self.e_score_correction_bias
+    group_scores = (scores_for_choice.view(-1, self.num_group, self.num_experts // self.num_group)
+                    .topk(2, dim=-1)[0].sum(dim=-1))  # [T, G]
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = (group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group)
+                  .reshape(-1, self.num_experts))  # [T, E]
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, K]
+    topk_weights = scores.gather(1, topk_indices)  # [T, K] the unbiased scores
+    if self.norm_topk_prob:
+        denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+        topk_weights /= denominator
+    topk_weights = topk_weights * self.routed_scaling_factor
+    return router_logits, topk_weights, topk_indices
+
+
+def _skewed_topk_softmax(self, hidden_states):
+    # Mirrors HF's GptOssTopKRouter.forward (router kind topk_softmax), plus the bias on the logits.
+    router_logits = F.linear(hidden_states, self.weight, self.bias) + self._moecg_skew.to(hidden_states.dtype)  # [T, E]
+    router_top_value, router_indices = torch.topk(router_logits, self.top_k, dim=-1)  # [T, K]
+    router_scores = torch.nn.functional.softmax(router_top_value, dim=1, dtype=router_top_value.dtype)  # [T, K]
+    return router_logits, router_scores, router_indices
+
+
 # one skewed forward per router kind (moecg.models.adapter.ROUTER_KINDS): the bias always acts on the logits
-SKEWED_FORWARDS = {"softmax_topk": _skewed_softmax_topk}
+SKEWED_FORWARDS = {"softmax_topk": _skewed_softmax_topk, "softmax_group": _skewed_softmax_group,
+                   "sigmoid_group": _skewed_sigmoid_group, "topk_softmax": _skewed_topk_softmax}
 
 
 def apply_router_skew(model, skew: float, seed: int = 0) -> None:
