@@ -24,6 +24,9 @@ CASES = [  # strategy, layers, dispatch
     ("mixed", "0-0:layer,1-1:attn", "dropless"),
 ]
 MODELS = [("mixtral_tiny", None), ("qwen2_moe_tiny", None), ("qwen3_moe_tiny", None), ("qwen1_5_moe_a2_7b", 2)]
+# the newer families at their real shapes, cut to the fewest layers that include a routed layer (dense first layers)
+NEW_MODELS = [("deepseek_v3", 4), ("glm4_5_air", 2), ("deepseek_v2_lite", 2), ("olmoe_1b_7b", 2), ("gpt_oss_20b", 2)]
+
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=[m for m, _ in MODELS])
@@ -155,3 +158,44 @@ def test_capacity_at_a_non_bucket_batch_drops_as_eager(built, batch, kernels):
     # bf16 on the GPU: the padded GEMMs may round a near-tie router choice differently, which moves a drop or two;
     # the old bucket-sized threshold moved many (C of 16 rows vs 5)
     assert abs(drops["eager"][0] - drops["capacity"][0]) <= max(2, drops["eager"][0] // 20), drops
+
+
+@pytest.fixture(scope="module", params=NEW_MODELS, ids=[m for m, _ in NEW_MODELS])
+def built_new(request):
+    preset, layers = request.param
+    b = build_model(preset, num_layers=layers, device="cuda")
+    yield b
+    del b
+    torch.cuda.empty_cache()
+
+
+def test_new_family_strategies_replay_eager(built_new):
+    """DeepSeek-V3/V2, GLM-4.5-Air, OLMoE, GPT-OSS real shapes (cut): every strategy on HF modules replays the eager
+    greedy tokens of the same padded rows, batches 1, 3 (bucket 4) and 8."""
+    model, steps = built_new.model, 12
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, model.config.vocab_size, (8, 16), generator=g)
+    n_moe = len(built_new.adapter.moe_layers(model))
+    assert 0 < n_moe < len(built_new.adapter.layers(model)) or built_new.family in ("olmoe", "gpt_oss")
+    for strategy, layers, dispatch in CASES:
+        kw = {"capacity_factor": 1e3} if dispatch == "capacity" else {}
+        attach(model, make_dispatcher(dispatch, **kw), max_rows=8)
+        try:
+            engine = DecodeEngine(model, 16 + steps, 8)
+            engine.rows_for = lambda n: bucket_for(n, tuple(BUCKETS))
+            sizes = [1, 3, 8] if dispatch != "dynamic" else [3]
+            refs = {n: engine.generate(prompts[:n], steps, timing=False) for n in sizes}
+            mixed = f"0-0:layer,1-{len(built_new.adapter.layers(model)) - 1}:attn" if strategy == "mixed" else None
+            cap = Capture(engine, strategy, layers=mixed, buckets=[1, 2, 4, 8], backend="cuda").apply()
+            state = state_of(model)
+            state.reset()
+            agree = {n: (engine.generate(prompts[:n], steps, timing=False).tokens == refs[n].tokens).float().mean().item()
+                     for n in sizes}
+            snap = state.snapshot()
+            print(f"\n[gpu] {built_new.name} strategy={strategy} dispatch={dispatch}: agreement {agree}, "
+                  f"capture {cap.stats()['capture_s']:.2f}s, MoE layers counted {len(snap['routed'])}")
+            assert min(agree.values()) == 1.0
+            assert len(snap["routed"]) == n_moe  # dense layers are never counted as routed
+            cap.unwrap()
+        finally:
+            detach(model)
