@@ -313,8 +313,9 @@ class FamilyAdapter:
             return ExpertSpec("swiglu_clamp", not getattr(experts, "is_concatenated", True),
                               bool(getattr(experts, "is_transposed", False)), bool(getattr(experts, "has_bias", False)),
                               float(experts.alpha), float(experts.limit))
-        return ExpertSpec("silu", not getattr(experts, "is_concatenated", True),
-                          bool(getattr(experts, "is_transposed", False)), bool(getattr(experts, "has_bias", False)))
+        # HF's default gate chunks [gate | up] halves, whatever is_concatenated says
+        return ExpertSpec("silu", False, bool(getattr(experts, "is_transposed", False)),
+                          bool(getattr(experts, "has_bias", False)))
 
     def rotary_dim(self, config) -> int:
         """Dims of each q/k head the rotary embedding turns (the first ones; partial_rotary_factor, GLM-4-MoE)."""
