@@ -35,8 +35,12 @@ class Fused(Dropless):
         if self._use_triton(experts, hidden, idx):
             from moecg.kernels import triton_ops
 
+            spec = _kernel_spec(experts)
+            bias = spec.has_bias
             return triton_ops.moe_experts(hidden, idx.contiguous(), w, experts.gate_up_proj, experts.down_proj,
-                                          valid, counters)
+                                          valid, counters, spec=spec,
+                                          gate_up_bias=experts.gate_up_proj_bias if bias else None,
+                                          down_bias=experts.down_proj_bias if bias else None)
         return super().unreduced(experts, hidden, idx, w, valid, counters)
 
     def _use_triton(self, experts, hidden, idx) -> bool:
@@ -44,21 +48,30 @@ class Fused(Dropless):
             return False
         from moecg.kernels import triton_ok
 
-        ok = triton_ok(hidden.device) and _kernel_layout(experts)
+        ok = triton_ok(hidden.device) and _kernel_spec(experts) is not None
         if self.kernels == "triton" and not ok:
-            raise RuntimeError("dispatch.kernels=triton: Triton cannot run here (needs CUDA + triton, and bias-free "
-                               "[E, 2I, D] experts with SiLU(gate) * up); use dispatch.kernels=auto")
+            raise RuntimeError("dispatch.kernels=triton: Triton cannot run here (needs CUDA + triton, and experts "
+                               "with SiLU(gate) * up or GPT-OSS's clamped SwiGLU); use dispatch.kernels=auto")
         return ok
 
 
-def _kernel_layout(experts) -> bool:
-    """What `triton_ops.moe_experts` computes: bias-free [E, 2I, D] / [E, D, I] weights and HF's default gate, SiLU on
-    the first half times the second. Anything else (GPT-OSS's biased, transposed, interleaved clamped SwiGLU) takes
-    the grouped path, which applies the module's own biases and `_apply_gate`."""
+def _kernel_spec(experts):
+    """The family adapter's ExpertSpec when `triton_ops.moe_experts` computes these experts, else None (the grouped
+    path, which applies the module's own biases and `_apply_gate`). The kernel takes either HF layout (strides),
+    halves or interleaved gate/up, biases, and two activations: HF's default gate with SiLU, or GPT-OSS's clamped
+    SwiGLU (the adapter's act "swiglu_clamp", which names that family's own `_apply_gate`)."""
     from transformers.integrations.moe import _default_apply_gate
 
-    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False) \
-            or type(experts)._apply_gate is not _default_apply_gate:
-        return False
+    from moecg.models.adapter import adapter_for
+
+    try:
+        spec = adapter_for(experts.config).expert_spec(experts)
+    except (AttributeError, ValueError, KeyError):  # experts of a model moecg has no adapter for
+        return None
+    if spec.act == "swiglu_clamp":
+        return spec
     act = getattr(experts, "act_fn", None)
-    return getattr(act, "__name__", type(act).__name__) in ("silu", "SiLU", "SiLUActivation")
+    if type(experts)._apply_gate is not _default_apply_gate or \
+            getattr(act, "__name__", type(act).__name__) not in ("silu", "SiLU", "SiLUActivation"):
+        return None
+    return spec

@@ -1,9 +1,11 @@
 """Pure-PyTorch reference implementations of moecg's fused decode ops (the CPU path and the test oracle).
 
-Dims: T tokens (one per row at decode), D hidden, Hq / Hkv query / key-value heads, Dh head dim, L cache slots,
-E experts, K top-k, I expert intermediate. Every op rounds where HF's modules round (bf16 after each
-elementwise op), so a model run through these ops matches the HF forward to the last bit wherever the GEMMs do.
-The Triton ops in `moecg.kernels.triton_ops` have the same signatures and are tested against these.
+Dims: T tokens (one per row at decode), D hidden, Hq / Hkv query / key-value heads, Dh head dim, R rotary dims
+(<= Dh), L cache slots, E experts, G expert groups, K top-k, I expert intermediate, S = T*K assignments.
+Every op rounds where HF's modules round (bf16 after each elementwise op), so a model run through these ops
+matches the HF forward to the last bit wherever the GEMMs do. The routers are bit-identical to HF's router modules
+on the same device (same ops in the same order). The Triton ops in `moecg.kernels.triton_ops` have the same
+signatures and are tested against these.
 """
 from __future__ import annotations
 
@@ -13,21 +15,28 @@ import torch.nn.functional as F
 from moecg.dispatch.base import count_valid, route_counts, routed_mass
 
 
-def rmsnorm(x, weight, eps: float):
-    """HF's RMSNorm: fp32 statistics, cast back, times the weight in the weight's dtype."""
+def rmsnorm(x, weight, eps: float, cast_last: bool = False):
+    """HF's RMSNorm: fp32 statistics; Llama-style casts the normalised x back, then multiplies by the weight in the
+    weight's dtype; cast_last (GPT-OSS) multiplies in fp32 and casts the product to x's dtype."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_last:
+        return (weight * y).to(x.dtype)
     return weight * y.to(x.dtype)
 
 
-def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, valid=None):
+def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, valid=None, cast_last: bool = False,
+                out_dtype=None):
     """y [T, KK, D] partial outputs (summed in fp32), + gated shared expert, + residual, then RMSNorm.
 
-    Returns (new residual [T, D], normed [T, D]); residual None: the new residual is sum(y) itself.
-    shared [T, D] and shared_gate [T] (a logit): HF's Qwen2-MoE shared expert, sigmoid(gate) * shared.
+    Returns (new residual [T, D], normed [T, D]); residual None: the new residual is sum(y) itself, in out_dtype
+    (default the weight's dtype; give the model dtype where the norm weights are kept in fp32, as GPT-OSS's are).
+    shared [T, D] and shared_gate [T] (a logit): HF's Qwen2-MoE shared expert, sigmoid(gate) * shared; shared
+    without a gate: added as is (GLM-4-MoE's shared experts).
     valid [T] bool: rows marked False contribute no routed output (their y rows may be garbage).
+    cast_last: the norm's rounding (see rmsnorm).
     """
-    dt = weight.dtype if residual is None else residual.dtype
+    dt = (out_dtype or weight.dtype) if residual is None else residual.dtype
     routed = y.float().sum(1)  # [T, D]
     if valid is not None:
         routed = torch.where(valid[:, None], routed, 0.0)
@@ -38,7 +47,7 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
         out = out + sh
     if residual is not None:
         out = residual + out
-    return out, rmsnorm(out, weight, eps)
+    return out, rmsnorm(out, weight, eps, cast_last)
 
 
 def rotate_half(x):
@@ -47,27 +56,47 @@ def rotate_half(x):
 
 
 def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: int,
-               q_norm=None, k_norm=None, eps: float = 1e-6):
+               q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None):
     """qkv [T, (Hq+2Hkv)*Dh] -> roped q [T, Hq, Dh]; roped k and v written into keys/values [T, Hkv, L, Dh] at
-    slot `pos` (a device scalar: no host sync). cos/sin [L, Dh] tables in the model dtype."""
+    slot `pos` (a device scalar: no host sync).
+
+    cos/sin [L, R] tables in the model dtype (HF's rotate_half layout, both halves of the R rotary dims): R < Dh is
+    partial rotary (GLM-4-MoE), the last Dh - R dims of each head pass through.
+    q_norm/k_norm: RMSNorm weights, [Dh] per head (Qwen3-MoE, GLM-4-MoE) or [Hq*Dh] / [Hkv*Dh] over the whole
+    projection (OLMoE); normed before the rotary as HF does.
+    clip: clamp q, k (after the norm) and v to [-clip, clip] (OLMoE's clip_qkv).
+    """
     T = qkv.shape[0]
-    q = qkv[:, : n_q * head_dim].reshape(T, n_q, head_dim)
-    k = qkv[:, n_q * head_dim: (n_q + n_kv) * head_dim].reshape(T, n_kv, head_dim)
+    q = qkv[:, : n_q * head_dim]
+    k = qkv[:, n_q * head_dim: (n_q + n_kv) * head_dim]
     v = qkv[:, (n_q + n_kv) * head_dim:].reshape(T, n_kv, head_dim)
     if q_norm is not None:
-        q = rmsnorm(q, q_norm, eps)
-        k = rmsnorm(k, k_norm, eps)
+        if q_norm.numel() == head_dim:  # per head
+            q = rmsnorm(q.reshape(T, n_q, head_dim), q_norm, eps)
+            k = rmsnorm(k.reshape(T, n_kv, head_dim), k_norm, eps)
+        else:  # over the whole projection
+            q = rmsnorm(q, q_norm, eps)
+            k = rmsnorm(k, k_norm, eps)
+    q = q.reshape(T, n_q, head_dim)
+    k = k.reshape(T, n_kv, head_dim)
+    if clip is not None:
+        q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
     p = pos.reshape(1)
-    c, s = cos.index_select(0, p), sin.index_select(0, p)  # [1, Dh]
-    q = (q * c) + (rotate_half(q) * s)
-    k = (k * c) + (rotate_half(k) * s)
+    c, s = cos.index_select(0, p), sin.index_select(0, p)  # [1, R]
+    r = c.shape[-1]
+    q = torch.cat([(q[..., :r] * c) + (rotate_half(q[..., :r]) * s), q[..., r:]], dim=-1)
+    k = torch.cat([(k[..., :r] * c) + (rotate_half(k[..., :r]) * s), k[..., r:]], dim=-1)
     keys.index_copy_(2, p, k[:, :, None, :].to(keys.dtype))
     values.index_copy_(2, p, v[:, :, None, :].to(values.dtype))
     return q
 
 
-def attn_decode(q, keys, values, pos, scaling: float, window: int = 0):
-    """q [T, Hq, Dh] against cache slots [0, pos] (the last `window` only, if window) -> [T, Hq*Dh]."""
+def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None):
+    """q [T, Hq, Dh] against cache slots [0, pos] (the last `window` only, if window) -> [T, Hq*Dh].
+
+    sinks [Hq]: GPT-OSS's learned per-head logit, one more softmax column whose probability is dropped (it only
+    enlarges the denominator).
+    """
     T, Hq, Dh = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     g = Hq // Hkv
@@ -79,13 +108,20 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0):
         ok = ok & (slots > pos - window)
     scores = torch.matmul(q[:, :, None, :].float(), k.float().transpose(-1, -2)) * scaling  # [T, Hq, 1, L]
     scores = scores.masked_fill(~ok, float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(q.dtype)
+    if sinks is not None:
+        sink = sinks.float().reshape(1, Hq, 1, 1).expand(T, Hq, 1, 1)
+        p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)  # [T, Hq, 1, L]
+    else:
+        p = torch.softmax(scores, dim=-1).to(q.dtype)
     o = torch.matmul(p, v)  # [T, Hq, 1, Dh]
     return o.reshape(T, Hq * Dh)
 
 
+# ------------------------------------------------------------------------------------------------------------
+# routers, one per router kind (moecg.models.adapter.ROUTER_KINDS); each is HF's router after its logits GEMM
 def route(logits, top_k: int, normalize: bool, out_dtype):
-    """Router logits [T, E] -> (idx [T, K] int64, weights [T, K] out_dtype): softmax fp32, top-k, renormalise."""
+    """softmax_topk: router logits [T, E] -> (idx [T, K] int64, weights [T, K] out_dtype): softmax fp32, top-k,
+    renormalise."""
     probs = torch.softmax(logits.float(), dim=-1)
     w, idx = torch.topk(probs, top_k, dim=-1)
     if normalize:
@@ -93,24 +129,89 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
     return idx, w.to(out_dtype)
 
 
+def route_sigmoid_group(logits, choice_bias, top_k: int, n_group: int, topk_group: int, normalize: bool,
+                        scaling: float):
+    """sigmoid_group (DeepSeek-V3, GLM-4-MoE): fp32 logits [T, E] -> (idx [T, K] int64, weights [T, K] fp32).
+
+    Scores sigmoid(logits); the choice adds choice_bias [E] (e_score_correction_bias) and keeps the topk_group of
+    n_group groups with the largest sum of their two best biased scores; the weights are the unbiased scores of
+    the chosen experts, renormalised (+1e-20) if normalize, times scaling. HF's ops in HF's order (its top-ks are
+    unsorted: the order of the K columns is torch.topk's).
+    """
+    T, E = logits.shape
+    scores = logits.sigmoid()  # [T, E]
+    choice = scores + choice_bias if choice_bias is not None else scores
+    group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)  # [T, E]
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    idx = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]  # [T, K]
+    w = scores.gather(1, idx)  # [T, K]
+    if normalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return idx, w * scaling
+
+
+def route_topk_softmax(logits, top_k: int):
+    """topk_softmax (GPT-OSS): logits [T, E] (router bias included) -> (idx [T, K] int64, weights [T, K] in the
+    logits' dtype): top-k of the logits, softmax over those k in the logits' dtype."""
+    top, idx = torch.topk(logits, top_k, dim=-1)  # [T, K]
+    return idx, torch.softmax(top, dim=1, dtype=top.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------
 def silu_mul(gu, inter: int):
     """gu [T, >= 2I] (gate | up, maybe more columns after) -> silu(gate) * up [T, I], rounded as HF's MLP."""
     return F.silu(gu[:, :inter]) * gu[:, inter: 2 * inter]
 
 
-def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None):
+def expert_act(gu, spec=None):
+    """Gate/up projections [..., 2I] -> [..., I] as the family's experts compute them (rounded as HF).
+
+    spec: a moecg.models.adapter.ExpertSpec (None: SiLU, [gate | up] halves). act "silu": silu(gate) * up;
+    "swiglu_clamp" (GPT-OSS): gate.clamp(max=limit), up.clamp(-limit, limit), (up + 1) * gate * sigmoid(alpha * gate).
+    interleaved: gate/up columns alternate (g0 u0 g1 u1 ...) instead of two halves.
+    """
+    if spec is not None and spec.interleaved:
+        gate, up = gu[..., ::2], gu[..., 1::2]
+    else:
+        gate, up = gu.chunk(2, dim=-1)
+    if spec is None or spec.act == "silu":
+        return F.silu(gate) * up
+    if spec.act == "swiglu_clamp":
+        gate = gate.clamp(min=None, max=spec.limit)
+        up = up.clamp(min=-spec.limit, max=spec.limit)
+        glu = gate * torch.sigmoid(gate * spec.alpha)
+        return (up + 1) * glu
+    raise ValueError(f"expert activation {spec.act!r}: the fused ops know silu and swiglu_clamp")
+
+
+def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
+                down_bias=None):
     """Dropless routed experts, unreduced: [T, K, D] fp32, y[t, k] = w[t, k] * expert_{idx[t,k]}(x[t]).
 
+    gate_up [E, 2I, D] and down [E, D, I] (spec.transposed: [E, D, 2I] and [E, I, D], GPT-OSS); biases [E, 2I] and
+    [E, D] are added after each GEMM's rounding, as HF adds them. spec: see expert_act.
     Rows with valid False get zeros and are not counted. counters: a LayerCounters (routed, mass, tokens).
     """
     T, K = idx.shape
-    E, two_i, D = gate_up.shape
-    inter = two_i // 2
-    gu = torch.bmm(x[:, None, :].expand(T, K, D).reshape(T * K, 1, D).to(gate_up.dtype),
-                   gate_up[idx.reshape(-1)].transpose(1, 2))  # [S, 1, 2I]
-    h = F.silu(gu[..., :inter]) * gu[..., inter:]
-    y = torch.bmm(h, down[idx.reshape(-1)].transpose(1, 2)).reshape(T, K, D)  # [T, K, D] model dtype
-    y = y.float() * w.float()[..., None]
+    transposed = spec is not None and spec.transposed
+    E = gate_up.shape[0]
+    D = x.shape[1]
+    sel = idx.reshape(-1)  # [S]
+    xs = x[:, None, :].expand(T, K, D).reshape(T * K, 1, D).to(gate_up.dtype)  # [S, 1, D]
+    wg = gate_up[sel] if transposed else gate_up[sel].transpose(1, 2)  # [S, D, 2I]
+    gu = torch.bmm(xs, wg)  # [S, 1, 2I]
+    if gate_up_bias is not None:
+        gu = gu + gate_up_bias[sel][:, None, :]
+    h = expert_act(gu, spec)  # [S, 1, I]
+    wd = down[sel] if transposed else down[sel].transpose(1, 2)  # [S, I, D]
+    y = torch.bmm(h, wd)  # [S, 1, D] model dtype
+    if down_bias is not None:
+        y = y + down_bias[sel][:, None, :]
+    y = y.reshape(T, K, D).float() * w.float()[..., None]  # [T, K, D]
     if valid is not None:
         y = torch.where(valid[:, None, None], y, 0.0)
     if counters is not None:

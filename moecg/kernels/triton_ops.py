@@ -24,7 +24,8 @@ def _p2(n: int) -> int:
 def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_res_ptr, out_ptr,
                         T, D, eps, s_yt, s_yk, s_rt, s_sht, s_sgt, s_ort, s_ot,
                         KK: tl.constexpr, HAS_RES: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        HAS_SGATE: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_D: tl.constexpr):
+                        HAS_SGATE: tl.constexpr, HAS_VALID: tl.constexpr, CAST_LAST: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
@@ -48,14 +49,17 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
         out = (r + out).to(dt).to(tl.float32)
     tl.store(out_res_ptr + t * s_ort + offs, out.to(dt), mask=m)
     var = tl.sum(out * out, axis=0) / D
-    yn = (out * tl.rsqrt(var + eps)).to(dt).to(tl.float32)
+    yn = out * tl.rsqrt(var + eps)
+    if not CAST_LAST:  # Llama-style: the normalised x is rounded before the weight multiplies it
+        yn = yn.to(dt).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * s_ot + offs, (w * yn).to(dt), mask=m)
 
 
-def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, valid=None):
+def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, valid=None, cast_last: bool = False,
+                out_dtype=None):
     T, KK, D = y.shape
-    dt = weight.dtype if residual is None else residual.dtype
+    dt = (out_dtype or weight.dtype) if residual is None else residual.dtype
     new_res = torch.empty(T, D, dtype=dt, device=y.device)
     normed = torch.empty(T, D, dtype=dt, device=y.device)
     assert y.stride(2) == 1 and (residual is None or residual.stride(1) == 1)
@@ -68,75 +72,105 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
         shared.stride(0) if shared is not None else 0, shared_gate.stride(0) if shared_gate is not None else 0,
         new_res.stride(0), normed.stride(0),
         KK=KK, HAS_RES=residual is not None, HAS_SHARED=shared is not None, HAS_SGATE=shared_gate is not None,
-        HAS_VALID=valid is not None, BLOCK_D=_p2(D), num_warps=4 if D <= 4096 else 8)
+        HAS_VALID=valid is not None, CAST_LAST=cast_last, BLOCK_D=_p2(D), num_warps=4 if D <= 4096 else 8)
     return new_res, normed
 
 
 # ------------------------------------------------------------------------------------------------------------
-# (q/k RMSNorm) + rotary embedding + KV-cache write at the device-side position
+# (q/k RMSNorm) + rotary embedding (full or partial) + (clip) + KV-cache write at the device-side position.
+# One program per (row, head). Each program loads its whole head and, for the rotary dims, each element's
+# rotate_half partner (a second gather of the same cache lines), so a rotary part narrower than the head (partial
+# rotary) needs no power-of-two split. A norm over the whole projection (OLMoE) sums the squares of every head of
+# the projection in each program: Hq*Dh elements, a few KB, re-read from L1/L2.
 @triton.jit(do_not_specialize=["T"])
 def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, q_ptr, qn_ptr, kn_ptr,
-                       T, eps, s_qkv, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_qt, s_qh,
-                       HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, HAS_QKN: tl.constexpr):
+                       T, eps, clip, s_qkv, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_qt, s_qh,
+                       HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, R: tl.constexpr,
+                       HAS_QKN: tl.constexpr, NORM_FULL: tl.constexpr, HAS_CLIP: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): q heads, [HQ, HQ+HKV): k heads, then v heads
-    half: tl.constexpr = DH // 2
-    offs = tl.arange(0, half)
+    d = tl.arange(0, DH)
     pos = tl.load(pos_ptr)
     dt = q_ptr.dtype.element_ty
-    base = qkv_ptr + t * s_qkv + h * DH
-    x1 = tl.load(base + offs).to(tl.float32)
-    x2 = tl.load(base + half + offs).to(tl.float32)
-    if h >= HQ + HKV:  # v: copy into the cache
+    row = qkv_ptr + t * s_qkv
+    x = tl.load(row + h * DH + d).to(tl.float32)
+    if h >= HQ + HKV:  # v: (clip and) copy into the cache
+        if HAS_CLIP:
+            x = tl.minimum(tl.maximum(x, -clip), clip)
         hv = h - HQ - HKV
-        dst = v_ptr + t * s_vb + hv * s_vh + pos * s_vl
-        tl.store(dst + offs, x1.to(v_ptr.dtype.element_ty))
-        tl.store(dst + half + offs, x2.to(v_ptr.dtype.element_ty))
+        tl.store(v_ptr + t * s_vb + hv * s_vh + pos * s_vl + d, x.to(v_ptr.dtype.element_ty))
     else:
+        half: tl.constexpr = R // 2
+        rot = d < R
+        partner = tl.where(d < half, d + half, d - half)  # rotate_half(x)[d] = -x[d + R/2] | x[d - R/2]
+        xp = tl.load(row + h * DH + partner, mask=rot, other=0.0).to(tl.float32)
         if HAS_QKN:
             isq = h < HQ
-            nw1 = tl.where(isq, tl.load(qn_ptr + offs), tl.load(kn_ptr + offs)).to(tl.float32)
-            nw2 = tl.where(isq, tl.load(qn_ptr + half + offs), tl.load(kn_ptr + half + offs)).to(tl.float32)
-            var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / DH
+            hl = tl.where(isq, h, h - HQ)  # head index within its projection
+            if NORM_FULL:
+                nh = tl.where(isq, HQ, HKV)
+                p0 = tl.where(isq, 0, HQ)  # first head of this projection
+                ss = tl.zeros([DH], dtype=tl.float32)
+                for j in range(0, nh):
+                    xj = tl.load(row + (p0 + j) * DH + d).to(tl.float32)
+                    ss += xj * xj
+                var = tl.sum(ss, axis=0) / (nh * DH)
+                wo = hl * DH
+            else:
+                var = tl.sum(x * x, axis=0) / DH
+                wo = 0
             r = tl.rsqrt(var + eps)
-            x1 = (nw1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            x2 = (nw2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        c1 = tl.load(cos_ptr + pos * DH + offs).to(tl.float32)
-        c2 = tl.load(cos_ptr + pos * DH + half + offs).to(tl.float32)
-        s1 = tl.load(sin_ptr + pos * DH + offs).to(tl.float32)
-        s2 = tl.load(sin_ptr + pos * DH + half + offs).to(tl.float32)
-        # (x * cos) + (rotate_half(x) * sin), rotate_half(x) = (-x2, x1); bf16 after each op as HF
-        o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-        o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+            # masked loads select the q or k weight: an unmasked load of the other one could run past its end
+            mq = (h + d * 0) < HQ  # [DH]
+            nw = (tl.load(qn_ptr + wo + d, mask=mq, other=0.0).to(tl.float32)
+                  + tl.load(kn_ptr + wo + d, mask=~mq, other=0.0).to(tl.float32))
+            nwp = (tl.load(qn_ptr + wo + partner, mask=mq & rot, other=0.0).to(tl.float32)
+                   + tl.load(kn_ptr + wo + partner, mask=~mq & rot, other=0.0).to(tl.float32))
+            x = (nw * (x * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xp = (nwp * (xp * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        if HAS_CLIP:
+            x = tl.minimum(tl.maximum(x, -clip), clip)
+            xp = tl.minimum(tl.maximum(xp, -clip), clip)
+        c = tl.load(cos_ptr + pos * R + d, mask=rot, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos * R + d, mask=rot, other=0.0).to(tl.float32)
+        xr = tl.where(d < half, -xp, xp)
+        # (x * cos) + (rotate_half(x) * sin); bf16 after each op as HF; dims past R pass through
+        o = ((x * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
+        o = tl.where(rot, o, x.to(dt))
         if h < HQ:
             dst = q_ptr + t * s_qt + h * s_qh
         else:
             dst = k_ptr + t * s_kb + (h - HQ) * s_kh + pos * s_kl
-        tl.store(dst + offs, o1)
-        tl.store(dst + half + offs, o2)
+        tl.store(dst + d, o)
 
 
 def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: int,
-               q_norm=None, k_norm=None, eps: float = 1e-6):
+               q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None):
     T = qkv.shape[0]
+    R = cos.shape[-1]
     assert qkv.stride(1) == 1 and keys.stride(3) == 1 and values.stride(3) == 1 and cos.is_contiguous()
+    assert R % 2 == 0 and R <= head_dim and sin.shape == cos.shape
     q = torch.empty(T, n_q, head_dim, dtype=qkv.dtype, device=qkv.device)
+    full = q_norm is not None and q_norm.numel() != head_dim
     _rope_cache_kernel[(T, n_q + 2 * n_kv)](
         qkv, pos, cos, sin, keys, values, q, q_norm if q_norm is not None else q,
-        k_norm if k_norm is not None else q, T, eps, qkv.stride(0),
+        k_norm if k_norm is not None else q, T, eps, float(clip or 0.0), qkv.stride(0),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        q.stride(0), q.stride(1), HQ=n_q, HKV=n_kv, DH=head_dim, HAS_QKN=q_norm is not None, num_warps=1)
+        q.stride(0), q.stride(1), HQ=n_q, HKV=n_kv, DH=head_dim, R=R, HAS_QKN=q_norm is not None,
+        NORM_FULL=full, HAS_CLIP=clip is not None, num_warps=1)
     return q
 
 
 # ------------------------------------------------------------------------------------------------------------
 # decode attention: one program per (row, kv head, split of the context); the query heads of a kv group
 # form the rows of a tensor-core tile. Splits > 1 write partial (max, sum, acc) merged by a second kernel.
+# Attention sinks (GPT-OSS) are one more logit per head with no value: they start the running (max, sum) at
+# (sink, 1) -- in the merge kernel when the context is split -- and never touch the accumulator.
 @triton.jit(do_not_specialize=["T", "chunk", "window"])
-def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
+def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
                         T, scaling, window, chunk, s_qt, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ot,
                         G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BLOCK_L: tl.constexpr,
-                        SPLIT: tl.constexpr):
+                        SPLIT: tl.constexpr, HAS_SINK: tl.constexpr):
     t = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -149,8 +183,12 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, acc_p
     d = tl.arange(0, DH)
     gm = gi < G
     q = tl.load(q_ptr + t * s_qt + (hk * G + gi)[:, None] * s_qh + d[None, :], mask=gm[:, None], other=0.0)
-    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GP], dtype=tl.float32)
+    if HAS_SINK and not SPLIT:
+        m_i = tl.load(sink_ptr + hk * G + gi, mask=gm, other=0.0).to(tl.float32)
+        l_i = tl.full([GP], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, DH], dtype=tl.float32)
     kb = k_ptr + t * s_kb + hk * s_kh
     vb = v_ptr + t * s_vb + hk * s_vh
@@ -179,17 +217,22 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, acc_p
 
 
 @triton.jit(do_not_specialize=["splits"])
-def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, s_ot, splits, G: tl.constexpr, GP: tl.constexpr,
-                       DH: tl.constexpr):
+def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, splits, G: tl.constexpr, GP: tl.constexpr,
+                       DH: tl.constexpr, HAS_SINK: tl.constexpr):
     t = tl.program_id(0)
     hk = tl.program_id(1)
     gi = tl.arange(0, GP)
     d = tl.arange(0, DH)
     row0 = (t * tl.num_programs(1) + hk) * splits
     m = tl.full([GP], float("-inf"), dtype=tl.float32)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + hk * G + gi, mask=gi < G, other=0.0).to(tl.float32)
+        m = sink
     for sp in range(splits):
         m = tl.maximum(m, tl.load(m_ptr + (row0 + sp) * GP + gi))
     l_tot = tl.zeros([GP], dtype=tl.float32)
+    if HAS_SINK:
+        l_tot = tl.exp(sink - m)
     acc = tl.zeros([GP, DH], dtype=tl.float32)
     for sp in range(splits):
         ms = tl.load(m_ptr + (row0 + sp) * GP + gi)
@@ -201,7 +244,7 @@ def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, s_ot, splits, G: tl.constex
              mask=(gi < G)[:, None])
 
 
-def attn_decode(q, keys, values, pos, scaling: float, window: int = 0):
+def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None):
     T, Hq, Dh = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
@@ -219,12 +262,15 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0):
         acc = torch.empty(T * Hkv * splits, GP, Dh, dtype=torch.float32, device=q.device)
     else:
         m = l_ = acc = o
+    sk = sinks if sinks is not None else o
+    assert sinks is None or (sinks.is_contiguous() and sinks.numel() == Hq)
     _attn_decode_kernel[(T, Hkv, splits)](
-        q, keys, values, pos, o, m, l_, acc, T, scaling, window, chunk, q.stride(0), q.stride(1),
+        q, keys, values, pos, sk, o, m, l_, acc, T, scaling, window, chunk, q.stride(0), q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, num_warps=4)
+        o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, HAS_SINK=sinks is not None, num_warps=4)
     if splits > 1:
-        _attn_merge_kernel[(T, Hkv)](o, m, l_, acc, o.stride(0), splits, G=G, GP=GP, DH=Dh, num_warps=4)
+        _attn_merge_kernel[(T, Hkv)](o, m, l_, acc, sk, o.stride(0), splits, G=G, GP=GP, DH=Dh,
+                                     HAS_SINK=sinks is not None, num_warps=4)
     return o
 
 
@@ -266,6 +312,105 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
     return idx, w
 
 
+# sigmoid_group router (DeepSeek-V3, GLM-4-MoE): sigmoid, biased group-limited choice, unbiased weights, one
+# program per token. Every top-k is an argmax loop over the row in registers (E <= a few hundred), ties to the
+# lowest index; the K columns come out in descending order of the biased score (HF's are unsorted).
+@triton.jit(do_not_specialize=["T"])
+def _route_sigmoid_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scaling,
+                                K: tl.constexpr, KP: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
+                                TOPKG: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                BLOCK_E: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    sc = tl.sigmoid(tl.load(lg_ptr + t * s_lt + e, mask=em, other=0.0).to(tl.float32))  # [E] unbiased scores
+    ch = sc
+    if HAS_BIAS:
+        ch = sc + tl.load(b_ptr + e, mask=em, other=0.0).to(tl.float32)
+    ch = tl.where(em, ch, float("-inf"))
+    if NG > 1:
+        grp = e // (E // NG)
+        gi = tl.arange(0, NGP)
+        gs = tl.full([NGP], float("-inf"), dtype=tl.float32)
+        for g in tl.static_range(NG):  # group score: the sum of its two best biased scores
+            cg = tl.where(em & (grp == g), ch, float("-inf"))
+            m1 = tl.max(cg, axis=0)
+            i1 = tl.min(tl.where(cg == m1, e, BLOCK_E), axis=0)
+            m2 = tl.max(tl.where(e == i1, float("-inf"), cg), axis=0)
+            gs = tl.where(gi == g, m1 + m2, gs)
+        gav = gi < NG
+        keep = e < 0
+        for _ in tl.static_range(TOPKG):
+            gm = tl.max(tl.where(gav, gs, float("-inf")), axis=0)
+            gsel = tl.min(tl.where(gav & (gs == gm), gi, NGP), axis=0)
+            keep = keep | (grp == gsel)
+            gav = gav & (gi != gsel)
+        ch = tl.where(keep & em, ch, float("-inf"))
+    kk = tl.arange(0, KP)
+    ids = tl.zeros([KP], dtype=tl.int64)
+    ws = tl.zeros([KP], dtype=tl.float32)
+    av = em
+    for k in tl.static_range(K):
+        v = tl.max(tl.where(av, ch, float("-inf")), axis=0)
+        i = tl.min(tl.where(av & (ch == v), e, BLOCK_E), axis=0)
+        ids = tl.where(kk == k, i.to(tl.int64), ids)
+        ws = tl.where(kk == k, tl.sum(tl.where(e == i, sc, 0.0), axis=0), ws)
+        av = av & (e != i)
+    if NORM:
+        ws = ws / (tl.sum(ws, axis=0) + 1e-20)
+    ws = ws * scaling
+    tl.store(idx_ptr + t * K + kk, ids, mask=kk < K)
+    tl.store(w_ptr + t * K + kk, ws, mask=kk < K)
+
+
+def route_sigmoid_group(logits, choice_bias, top_k: int, n_group: int, topk_group: int, normalize: bool,
+                        scaling: float):
+    T, E = logits.shape
+    assert logits.stride(1) == 1 and logits.dtype == torch.float32 and E % n_group == 0
+    assert choice_bias is None or choice_bias.is_contiguous()
+    idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    _route_sigmoid_group_kernel[(T,)](
+        logits, choice_bias if choice_bias is not None else logits, idx, w, T, E, logits.stride(0), float(scaling),
+        K=top_k, KP=_p2(top_k), NG=n_group, NGP=_p2(n_group), TOPKG=topk_group, NORM=normalize,
+        HAS_BIAS=choice_bias is not None, BLOCK_E=_p2(E), num_warps=1 if E <= 256 else 4)
+    return idx, w
+
+
+# topk_softmax router (GPT-OSS): top-k of the logits, softmax over those k (fp32, rounded once to the logits' dtype)
+@triton.jit(do_not_specialize=["T"])
+def _route_topk_softmax_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, KP: tl.constexpr,
+                               BLOCK_E: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    x = tl.load(lg_ptr + t * s_lt + e, mask=em, other=float("-inf")).to(tl.float32)
+    kk = tl.arange(0, KP)
+    ids = tl.zeros([KP], dtype=tl.int64)
+    vals = tl.full([KP], float("-inf"), dtype=tl.float32)
+    av = em
+    for k in tl.static_range(K):
+        v = tl.max(tl.where(av, x, float("-inf")), axis=0)
+        i = tl.min(tl.where(av & (x == v), e, BLOCK_E), axis=0)
+        ids = tl.where(kk == k, i.to(tl.int64), ids)
+        vals = tl.where(kk == k, v, vals)
+        av = av & (e != i)
+    p = tl.exp(vals - tl.max(vals, axis=0))
+    p = p / tl.sum(p, axis=0)
+    tl.store(idx_ptr + t * K + kk, ids, mask=kk < K)
+    tl.store(w_ptr + t * K + kk, p.to(w_ptr.dtype.element_ty), mask=kk < K)
+
+
+def route_topk_softmax(logits, top_k: int):
+    T, E = logits.shape
+    assert logits.stride(1) == 1
+    idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    _route_topk_softmax_kernel[(T,)](logits, idx, w, T, E, logits.stride(0), K=top_k, KP=_p2(top_k),
+                                     BLOCK_E=_p2(E), num_warps=1 if E <= 256 else 4)
+    return idx, w
+
+
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["T"])
 def _silu_mul_kernel(gu_ptr, h_ptr, T, I, s_gt, s_ht, BLOCK: tl.constexpr):
@@ -293,6 +438,9 @@ def silu_mul(gu, inter: int):
 # assignments routed to its expert by scanning the [S] expert ids (S = T*K, small at decode), so there is no
 # sort or prefix-sum kernel before it; experts nobody picked exit after the scan. Weights are read once per
 # (expert, row block): the GEMM tile's rows are that expert's tokens.
+# Weights are addressed by strides, so one kernel covers [E, 2I, D] / [E, D, I] and HF's transposed [E, D, 2I] /
+# [E, I, D] (GPT-OSS), with gate/up as two halves or interleaved columns (j = JM*n + JG for gate column n, + JU for
+# up); biases are added after each GEMM's rounding, as HF adds them; ACT 0 is SiLU, 1 GPT-OSS's clamped SwiGLU.
 @triton.jit
 def _rows_for(idx_ptr, valid_ptr, e, mb, S, K: tl.constexpr, HAS_VALID: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -315,9 +463,10 @@ def _rows_for(idx_ptr, valid_ptr, e, mb, S, K: tl.constexpr, HAS_VALID: tl.const
 
 
 @triton.jit(do_not_specialize=["S"])
-def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, h_ptr, cnt_ptr, mass_ptr, tok_ptr,
-                   S, D, I, s_xt, s_we, s_wn, s_hs,
-                   K: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr,
+def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_ptr, mass_ptr, tok_ptr,
+                   S, D, I, s_xt, s_we, s_wj, s_wk, s_be, s_hs, alpha, limit,
+                   K: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr, JM: tl.constexpr,
+                   JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
     e = tl.program_id(0)
     mb = tl.program_id(1)
@@ -349,26 +498,40 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, h_ptr, cnt_ptr, mas
         nm = n < I
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        wg = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
-        wu = w_ptr + e.to(tl.int64) * s_we + (I + n)[:, None] * s_wn
+        jg = n * JM  # gate column of output n in the 2I dim
+        ju = n * JM + JU
+        wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
+        wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
         for k0 in range(0, D, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < D
             x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            g = tl.load(wg + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            u = tl.load(wu + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+            u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
             acc_g = tl.dot(x, tl.trans(g), acc_g)
             acc_u = tl.dot(x, tl.trans(u), acc_u)
         dt = h_ptr.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
-        a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
-        tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], (a * u).to(dt), mask=rmask[:, None] & nm[None, :])
+        if HAS_BIAS:
+            bb = b_ptr + e.to(tl.int64) * s_be
+            g = (g + tl.load(bb + jg, mask=nm, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+            u = (u + tl.load(bb + ju, mask=nm, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+        if ACT == 0:  # silu(gate) * up
+            a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+            hv = a * u
+        else:  # GPT-OSS: (clamp(up) + 1) * gate * sigmoid(alpha * gate), gate clamped from above
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            sg = tl.sigmoid((g * alpha).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            glu = (g * sg).to(dt).to(tl.float32)
+            hv = (u + 1.0).to(dt).to(tl.float32) * glu
+        tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
 @triton.jit(do_not_specialize=["S"])
-def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, y_ptr, S, D, I, s_hs, s_we, s_wn, s_ys,
-                     K: tl.constexpr, HAS_VALID: tl.constexpr,
+def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, S, D, I, s_hs, s_we, s_wn, s_wk,
+                     s_be, s_ys, K: tl.constexpr, HAS_VALID: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
     e = tl.program_id(0)
     mb = tl.program_id(1)
@@ -383,10 +546,15 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, y_ptr, S, D, I, s
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < I
             h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            w = tl.load(wd + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
             acc = tl.dot(h, tl.trans(w), acc)
         tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * tw[:, None]
+        dt = h_ptr.dtype.element_ty
+        o = acc.to(dt).to(tl.float32)
+        if HAS_BIAS:
+            o = (o + tl.load(b_ptr + e.to(tl.int64) * s_be + n, mask=nm, other=0.0).to(tl.float32)[None, :])
+            o = o.to(dt).to(tl.float32)
+        y = o * tw[:, None]
         tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], y, mask=rmask[:, None] & nm[None, :])
 
 
@@ -394,12 +562,24 @@ def _cfg(name: str, default: int) -> int:
     return int(os.environ.get(f"MOECG_MOE_{name}", default))
 
 
-def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None):
+def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
+                down_bias=None):
     T, K = idx.shape
-    E, two_i, D = gate_up.shape
-    inter = two_i // 2
+    D = x.shape[1]
+    transposed = spec is not None and spec.transposed
+    interleaved = spec is not None and spec.interleaved
+    act = 0 if spec is None or spec.act == "silu" else 1
+    if act and spec.act != "swiglu_clamp":
+        raise ValueError(f"expert activation {spec.act!r}: the MoE kernel knows silu and swiglu_clamp")
+    E = gate_up.shape[0]
+    # strides along the 2I / I dim (j) and the D dim (k) of the up weights, along D (n) and I (k) of the down ones
+    s_wj, s_wk = (gate_up.stride(2), gate_up.stride(1)) if transposed else (gate_up.stride(1), gate_up.stride(2))
+    s_dn, s_dk = (down.stride(2), down.stride(1)) if transposed else (down.stride(1), down.stride(2))
+    inter = gate_up.shape[2 if transposed else 1] // 2
     S = T * K
-    assert x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1 and idx.is_contiguous()
+    assert x.stride(1) == 1 and idx.is_contiguous()
+    assert gate_up_bias is None or gate_up_bias.stride(1) == 1
+    assert down_bias is None or down_bias.stride(1) == 1
     bm = _cfg("BLOCK_M", 16)
     m_blocks = triton.cdiv(T, bm)  # an expert gets at most one assignment per token
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
@@ -415,14 +595,17 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None):
     bn_dn, bk_dn = _cfg("DOWN_BLOCK_N", 32 if big else 64), _cfg("DOWN_BLOCK_K", 256 if big else 128)
     warps, stages = _cfg("WARPS", 4), _cfg("STAGES", 3 if big else 4)
     _moe_up_kernel[(E, m_blocks, triton.cdiv(inter, bn_up))](
-        x, idx, valid if valid is not None else idx, wc, gate_up, h,
-        c.routed if c is not None else h, c.routed_mass if c is not None else h, c.tokens if c is not None else h,
-        S, D, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        K=K, HAS_VALID=valid is not None, COUNT=c is not None,
+        x, idx, valid if valid is not None else idx, wc, gate_up, gate_up_bias if gate_up_bias is not None else h,
+        h, c.routed if c is not None else h, c.routed_mass if c is not None else h,
+        c.tokens if c is not None else h, S, D, inter, x.stride(0), gate_up.stride(0), s_wj, s_wk,
+        gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
+        float(spec.alpha) if act else 1.0, float(spec.limit) if act else 0.0,
+        K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=2 if interleaved else 1,
+        JU=1 if interleaved else inter, HAS_BIAS=gate_up_bias is not None, ACT=act,
         BLOCK_M=bm, BLOCK_N=bn_up, BLOCK_K=bk_up, BLOCK_S=64, num_warps=warps, num_stages=stages)
     _moe_down_kernel[(E, m_blocks, triton.cdiv(D, bn_dn))](
-        h, idx, valid if valid is not None else idx, wc, down, y, S, D, inter,
-        h.stride(0), down.stride(0), down.stride(1), y.stride(1),
-        K=K, HAS_VALID=valid is not None,
+        h, idx, valid if valid is not None else idx, wc, down, down_bias if down_bias is not None else h, y, S, D,
+        inter, h.stride(0), down.stride(0), s_dn, s_dk, down_bias.stride(0) if down_bias is not None else 0,
+        y.stride(1), K=K, HAS_VALID=valid is not None, HAS_BIAS=down_bias is not None,
         BLOCK_M=bm, BLOCK_N=bn_dn, BLOCK_K=bk_dn, BLOCK_S=64, num_warps=warps, num_stages=stages)
     return y
