@@ -1,16 +1,22 @@
 """The fused decode forward (`capture.kernels=fused`): one decode step of an HF MoE model in ~12 kernels a layer.
 
-Dims: T tokens (= rows, one token each), D hidden, Hq/Hkv heads, Dh head dim, L cache slots, E experts, K top-k,
-Is shared-expert intermediate, V vocab.
+Dims: T tokens (= rows, one token each), D hidden, Hq/Hkv heads, Dh head dim, R rotary dims, L cache slots,
+E experts, K top-k, Is shared-expert (or dense MLP) intermediate, V vocab.
 A raw CUDA graph of HF's modules replays hundreds of tiny kernels per step (rotary halves, mask building,
 casts, router softmax/topk, sort/offsets for the grouped GEMM, counter updates); Inductor wins by fusing them
 but needs 15-50 s to compile per batch size. This module instead runs the same math in a fixed sequence of
 large kernels, each with a pure-PyTorch reference (`moecg.kernels.ref`) and a Triton version:
 
   per layer: qkv GEMM (one, with bias) | q/k norm + rotary + KV write | decode attention | o GEMM |
-             residual add + RMSNorm | router (+ shared expert gate/up + its gate) GEMM (one) | softmax-top-k |
+             residual add + RMSNorm | router (+ shared expert gate/up + its gate) GEMM (one) | router kernel |
              [shared SiLU-mul | shared down GEMM] | routed experts (dispatcher) | shared gate + residual + next RMSNorm
+  dense layers: ... | gate/up GEMM (one) | SiLU-mul | down GEMM | residual + next RMSNorm
 
+Families (FUSED_ROUTER_KINDS x FUSED_FEATURES, checked by FamilyAdapter.check_supported): Mixtral, Qwen2/3-MoE,
+GLM-4-MoE (sigmoid_group router: its fp32 GEMM runs apart from the shared expert's; partial rotary; q/k/v bias),
+OLMoE (q/k norm over the whole projection, clip_qkv), GPT-OSS (router bias, topk_softmax, attention sinks,
+sliding/full layers, biased transposed interleaved clamped-SwiGLU experts, RMSNorm that casts last). DeepSeek's
+latent attention (MLA) is refused.
 It reads the HF model's own parameters. To make the qkv and router/shared-expert GEMMs one GEMM each, it moves
 those weights into concatenated buffers and re-points the HF parameters at views of them (no copy kept;
 the HF modules compute exactly what they did). The prefill still runs the HF model (`DecodeEngine.forward`
@@ -33,7 +39,9 @@ from moecg.models.skew import router_logit_bias
 
 
 # router kinds (moecg.models.adapter.ROUTER_KINDS) the fused step routes with its own ops
-FUSED_ROUTER_KINDS = ("softmax_topk",)
+FUSED_ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_softmax")
+# decode-math features (moecg.models.adapter.FEATURES) the fused step computes
+FUSED_FEATURES = ("qk_norm_full", "partial_rotary", "attention_sinks", "clamped_swiglu_experts", "rmsnorm_cast_last")
 
 
 class FastPathError(UnsupportedConfigError):
@@ -55,22 +63,28 @@ class _Layer:
     head_dim: int
     scaling: float
     window: int  # 0: full causal attention, else keys at positions (pos - window, pos] (adapter.attention_windows)
-    q_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [Dh] per head or [Hq*Dh] over the whole projection (OLMoE)
     k_norm: torch.Tensor | None
     qk_eps: float
+    sinks: torch.Tensor | None = None  # [Hq] attention sink logits (GPT-OSS)
+    clip: float | None = None  # OLMoE's clip_qkv
     experts: object | None = None  # HF experts module (routed experts), None: dense layer
-    mlp: object | None = None  # dense MLP module for non-MoE layers
-    wcat: torch.Tensor | None = None  # [2Is (+1) + E, D]: shared gate | shared up | shared gate logit | router
+    mlp: object | None = None  # dense MLP module for non-MoE layers whose gate/up/down could not be fused
+    wcat: torch.Tensor | None = None  # [2Is (+1) (+ E), D]: shared/dense gate | up | shared gate logit | router
+    bcat: torch.Tensor | None = None  # its bias (zeros but the router's rows), when the router's linear has a bias
     r0: int = 0  # router rows in wcat: [r0, r0 + n_experts)
     n_experts: int = 0
     router: object | None = None  # HF router module: its skew bias (moecg.models.skew) is read at each call
+    router_w32: torch.Tensor | None = None  # [E, D] router weight for an fp32 logits GEMM, apart from wcat
+    choice_bias: torch.Tensor | None = None  # [E] sigmoid_group's e_score_correction_bias
     top_k: int = 0
     norm_topk: bool = False
     route: object | None = None  # the adapter's RouterSpec of this layer's router
     route_dtype: torch.dtype | None = None
+    expert_spec: object | None = None  # the adapter's ExpertSpec (layout, activation, biases)
     shared_inter: int = 0
     shared_gate_col: int | None = None
-    w_sdown: torch.Tensor | None = None
+    w_sdown: torch.Tensor | None = None  # [D, Is] shared expert's (or the dense MLP's) down projection
 
 
 def _concat_params(params: list[torch.nn.Parameter], align: int = 1) -> torch.Tensor:
@@ -106,7 +120,7 @@ def check_supported(model) -> None:
     try:
         ad = adapter_for(model)
     except Exception as e:  # noqa: BLE001
-        raise FastPathError(f"capture.kernels=fused supports Mixtral, Qwen2-MoE and Qwen3-MoE models: {e}") from e
+        raise FastPathError(f"capture.kernels=fused: {e}") from e
     try:
         ad.check_supported(model.config, "fused", model=model)
     except UnsupportedConfigError as e:
@@ -127,6 +141,10 @@ class FastDecode:
         self.ops = get_ops(backend, self.device)
         self.backend = "triton" if self.ops is not ref else "torch"
         cfg = model.config
+        features = ad.features(cfg)
+        self.cast_last = "rmsnorm_cast_last" in features  # GPT-OSS's norms multiply in fp32, then cast
+        self.rotary_dim = ad.rotary_dim(cfg)
+        clip = getattr(cfg, "clip_qkv", None)  # OLMoE: q, k, v clamped after the q/k norm
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.norm_w, self.norm_eps = inner.norm.weight, _eps(inner.norm)
@@ -137,56 +155,91 @@ class FastDecode:
         self.layers: list[_Layer] = []
         for i, layer in enumerate(ad.layers(model)):
             at = getattr(layer, ad.attn)
-            window = windows[i]
             qkv, bias = ad.qkv_of(at)
             n_q = qkv[0].shape[0] // at.head_dim
             n_kv = qkv[1].shape[0] // at.head_dim
             o_proj = ad.o_of(at)
+            q_norm = at.q_norm.weight if getattr(at, "q_norm", None) is not None else None
+            k_norm = at.k_norm.weight if getattr(at, "k_norm", None) is not None else None
+            if q_norm is not None and (q_norm.numel(), k_norm.numel()) not in ((at.head_dim, at.head_dim),
+                                                                               (n_q * at.head_dim, n_kv * at.head_dim)):
+                raise FastPathError(f"layer {i}: q/k norms of {q_norm.numel()} / {k_norm.numel()} elements are neither "
+                                    f"per head ({at.head_dim}) nor over the whole projection; use capture.kernels=hf")
             L = _Layer(
                 in_w=getattr(layer, ad.input_norm).weight, in_eps=_eps(getattr(layer, ad.input_norm)),
                 post_w=getattr(layer, ad.post_norm).weight, post_eps=_eps(getattr(layer, ad.post_norm)),
                 wqkv=_concat_params(qkv),
                 bqkv=_concat_params(bias) if all(b is not None for b in bias) else None,
                 wo=o_proj.weight, bo=o_proj.bias, n_q=n_q, n_kv=n_kv, head_dim=at.head_dim,
-                scaling=float(at.scaling), window=window,
-                q_norm=at.q_norm.weight if hasattr(at, "q_norm") else None,
-                k_norm=at.k_norm.weight if hasattr(at, "k_norm") else None,
-                qk_eps=_eps(at.q_norm) if hasattr(at, "q_norm") else 1e-6,
+                scaling=float(at.scaling), window=windows[i], q_norm=q_norm, k_norm=k_norm,
+                qk_eps=_eps(at.q_norm) if q_norm is not None else 1e-6,
+                sinks=at.sinks if "attention_sinks" in features else None,
+                clip=float(clip) if clip is not None else None,
             )
             block = ad.moe_block(layer)
             if block is None:
-                L.mlp = getattr(layer, ad.moe)
+                self._dense(L, ad, getattr(layer, ad.moe))
             else:
-                router = getattr(block, ad.router)
-                router_logit_bias(router)  # refuses a router forward it cannot reproduce, before any CUDA work
-                L.router = router
-                L.experts = getattr(block, ad.experts)
-                spec = ad.router_spec(router)
-                if spec.kind not in FUSED_ROUTER_KINDS:
-                    raise FastPathError(f"capture.kernels=fused has no router kernel for router kind {spec.kind!r} "
-                                        f"(has: {', '.join(FUSED_ROUTER_KINDS)}); use capture.kernels=hf")
-                L.route = spec
-                L.top_k, L.norm_topk = spec.top_k, spec.normalize
-                L.route_dtype = torch.float32 if spec.weights_fp32 else self.dtype
-                rows = []
-                shared = ad.shared_expert_of(layer)
-                if shared is not None:
-                    s_gate, s_up, L.w_sdown = ad.mlp_weights(shared)
-                    L.shared_inter = s_gate.shape[0]
-                    rows += [s_gate, s_up]
-                    sg = ad.shared_gate_of(layer)
-                    if sg is not None:
-                        L.shared_gate_col = 2 * L.shared_inter
-                        rows.append(sg.weight)
-                L.r0 = sum(r.shape[0] for r in rows)
-                L.n_experts = router.weight.shape[0]
-                rows.append(router.weight)
-                L.wcat = _concat_params(rows, align=8)
+                self._moe(L, ad, block, layer)
             self.layers.append(L)
+
+    def _dense(self, L: _Layer, ad, mlp) -> None:
+        """A dense MLP: gate/up as one GEMM when its projections are plain bias-free linears, else its own forward."""
+        try:
+            mods = [getattr(mlp, n) for n in ad.mlp_projs]
+        except AttributeError:
+            mods = None
+        if mods is None or any(getattr(m, "bias", None) is not None or not hasattr(m, "weight") for m in mods):
+            L.mlp = mlp
+            return
+        gate, up, L.w_sdown = (m.weight for m in mods)
+        L.shared_inter = gate.shape[0]
+        L.wcat = _concat_params([gate, up], align=8)
+
+    def _moe(self, L: _Layer, ad, block, layer) -> None:
+        router = getattr(block, ad.router)
+        router_logit_bias(router)  # refuses a router forward it cannot reproduce, before any CUDA work
+        L.router = router
+        L.experts = getattr(block, ad.experts)
+        L.expert_spec = ad.expert_spec(L.experts)
+        spec = ad.router_spec(router)
+        if spec.kind not in FUSED_ROUTER_KINDS:
+            raise FastPathError(f"capture.kernels=fused has no router kernel for router kind {spec.kind!r} "
+                                f"(has: {', '.join(FUSED_ROUTER_KINDS)}); use capture.kernels=hf")
+        L.route = spec
+        L.top_k, L.norm_topk = spec.top_k, spec.normalize
+        L.route_dtype = torch.float32 if spec.weights_fp32 else self.dtype
+        logit_bias, L.choice_bias = ad.router_biases(router)
+        rows = []
+        shared = ad.shared_expert_of(layer)
+        if shared is not None:
+            s_gate, s_up, L.w_sdown = ad.mlp_weights(shared)
+            L.shared_inter = s_gate.shape[0]
+            rows += [s_gate, s_up]
+            sg = ad.shared_gate_of(layer)
+            if sg is not None:
+                L.shared_gate_col = 2 * L.shared_inter
+                rows.append(sg.weight)
+        L.r0 = sum(r.shape[0] for r in rows)
+        L.n_experts = router.weight.shape[0]
+        if spec.logits_fp32:
+            # HF's router casts both operands to fp32 (DeepSeek-V3 / GLM keep the weight in fp32): its own GEMM
+            if logit_bias is not None:
+                raise FastPathError(f"{type(router).__name__}: a bias on an fp32 router GEMM is not modelled; "
+                                    "use capture.kernels=hf")
+            L.router_w32 = router.weight
+        else:
+            rows.append(router.weight)
+        if rows:
+            L.wcat = _concat_params(rows, align=8)
+            if logit_bias is not None and not spec.logits_fp32:
+                L.bcat = L.wcat.new_zeros(L.wcat.shape[0])
+                L.bcat[L.r0: L.r0 + L.n_experts] = logit_bias.data
+                logit_bias.data = L.bcat[L.r0: L.r0 + L.n_experts]  # HF's router reads the same numbers
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _rope_tables(self, clayers):
-        """cos/sin [L, Dh] for every slot of the cache; the cache must be linear (slot = position) in all layers."""
+        """cos/sin [L, R] for every slot of the cache; the cache must be linear (slot = position) in all layers."""
         length = clayers[0].keys.shape[2]
         odd = [i for i, c in enumerate(clayers) if getattr(c, "is_sliding", False) or c.keys.shape[2] != length]
         if odd:  # host-side check only (no sync); a captured step runs it at capture time
@@ -196,15 +249,37 @@ class FastDecode:
             x = torch.zeros(1, 1, dtype=self.dtype, device=self.device)
             pos = torch.arange(length, device=self.device)[None]
             with torch.no_grad():
-                cos, sin = self.rotary(x, pos)  # [1, L, Dh] model dtype, exactly HF's values
-            self._tables[length] = (cos[0].contiguous(), sin[0].contiguous())
+                cos, sin = self.rotary(x, pos)  # [1, L, R or R/2] model dtype, exactly HF's values
+            cos, sin = cos[0], sin[0]
+            if cos.shape[-1] * 2 == self.rotary_dim:
+                # GPT-OSS's rotary gives one half (x1 c - x2 s | x2 c + x1 s): rotate_half with the table doubled,
+                # the same products and sums, so the same bits
+                cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+            elif cos.shape[-1] != self.rotary_dim:
+                raise FastPathError(f"{type(self.rotary).__name__} gives {cos.shape[-1]}-wide tables, expected the "
+                                    f"rotary dims ({self.rotary_dim}) or half of them; use capture.kernels=hf")
+            self._tables[length] = (cos.contiguous(), sin.contiguous())
         return self._tables[length]
+
+    def _route(self, L: _Layer, logits):
+        """Router logits [T, E] -> (idx [T, K], weights [T, K]) by the layer's router kind."""
+        ops, s = self.ops, L.route
+        if s.kind == "sigmoid_group":
+            return ops.route_sigmoid_group(logits, L.choice_bias, s.top_k, s.n_group, s.topk_group, s.normalize,
+                                           s.scaling)
+        if s.kind == "topk_softmax":
+            return ops.route_topk_softmax(logits, s.top_k)
+        route = ops.route if (s.top_k & (s.top_k - 1)) == 0 else ref.route  # the Triton kernel: power-of-two k
+        return route(logits, s.top_k, s.normalize, L.route_dtype)
 
     def _experts(self, L: _Layer, h, idx, w, valid, state, slot: int):
         counters = state.layer(slot) if state is not None else None
         disp = state.dispatcher if state is not None else None
         if disp is None:
-            return ref.moe_experts(h, idx, w, L.experts.gate_up_proj, L.experts.down_proj, valid, counters)
+            ex, sp = L.experts, L.expert_spec
+            return ref.moe_experts(h, idx, w, ex.gate_up_proj, ex.down_proj, valid, counters, spec=sp,
+                                   gate_up_bias=ex.gate_up_proj_bias if sp.has_bias else None,
+                                   down_bias=ex.down_proj_bias if sp.has_bias else None)
         if disp.fused_unreduced:
             return disp.unreduced(L.experts, h, idx, w, valid, counters)  # [T, K, D] fp32
         return disp.forward(L.experts, h, idx, w, valid, counters)[:, None]  # [T, 1, D]
@@ -221,8 +296,10 @@ class FastDecode:
         cos, sin = self._rope_tables(clayers)
         state = state_of(self.model)
         valid = state.token_valid(T) if state is not None else None
+        cl = self.cast_last
         x = F.embedding(input_ids[:, 0], self.embed)  # [T, D]
-        res, h = ops.add_rmsnorm(x[:, None], None, self.layers[0].in_w, self.layers[0].in_eps)
+        res, h = ops.add_rmsnorm(x[:, None], None, self.layers[0].in_w, self.layers[0].in_eps, cast_last=cl,
+                                 out_dtype=self.dtype)
         slot = 0
         n = len(self.layers)
         for i, L in enumerate(self.layers):
@@ -230,29 +307,36 @@ class FastDecode:
                 self.on_layer(i)
             qkv = F.linear(h, L.wqkv, L.bqkv)  # [T, (Hq+2Hkv)*Dh]
             q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
-                               L.head_dim, L.q_norm, L.k_norm, L.qk_eps)  # [T, Hq, Dh]
-            o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window)  # [T, Hq*Dh]
+                               L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
+            o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
+                                sinks=L.sinks)  # [T, Hq*Dh]
             a = F.linear(o, L.wo, L.bo)  # [T, D]
-            res, h = ops.add_rmsnorm(a[:, None], res, L.post_w, L.post_eps)
+            res, h = ops.add_rmsnorm(a[:, None], res, L.post_w, L.post_eps, cast_last=cl)
             nw, neps = (self.layers[i + 1].in_w, self.layers[i + 1].in_eps) if i + 1 < n else (self.norm_w,
                                                                                                self.norm_eps)
             if L.experts is None:
-                res, h = ops.add_rmsnorm(L.mlp(h)[:, None], res, nw, neps)
+                if L.mlp is not None:
+                    y = self.adapter.moe_output(L.mlp(h))  # [T, D]
+                else:
+                    y = F.linear(ops.silu_mul(F.linear(h, L.wcat), L.shared_inter), L.w_sdown)  # [T, D]
+                res, h = ops.add_rmsnorm(y[:, None], res, nw, neps, cast_last=cl)
                 continue
-            z = F.linear(h, L.wcat)  # [T, 2Is (+1) + E]
-            route = ops.route if (L.top_k & (L.top_k - 1)) == 0 else ref.route
-            logits = z[:, L.r0: L.r0 + L.n_experts]  # [T, E]
+            z = F.linear(h, L.wcat, L.bcat) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
+            if L.router_w32 is not None:
+                logits = F.linear(h.float(), L.router_w32.float())  # [T, E] fp32, as HF's router
+            else:
+                logits = z[:, L.r0: L.r0 + L.n_experts]  # [T, E]
             bias = router_logit_bias(L.router)  # router skew acts here as in HF's (skewed) router forward
             if bias is not None:
                 logits = logits + bias.to(logits.dtype)  # [T, E]
-            idx, w = route(logits, L.top_k, L.norm_topk, L.route_dtype)  # [T, K], [T, K]
+            idx, w = self._route(L, logits)  # [T, K], [T, K]
             shared = gate = None
             if L.shared_inter:
                 shared = F.linear(ops.silu_mul(z, L.shared_inter), L.w_sdown)  # [T, D]
                 gate = z[:, L.shared_gate_col] if L.shared_gate_col is not None else None  # [T]
             y = self._experts(L, h, idx, w, valid, state, slot)  # [T, K or 1, D]
             slot += 1
-            res, h = ops.add_rmsnorm(y, res, nw, neps, shared, gate)
+            res, h = ops.add_rmsnorm(y, res, nw, neps, shared, gate, cast_last=cl)
         logits = F.linear(h, self.lm_head)  # [T, V]
         torch._foreach_add_([c.cumulative_length for c in clayers], 1)
         return SimpleNamespace(logits=logits[:, None, :])
