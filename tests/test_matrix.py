@@ -20,13 +20,15 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import moecg
+from moecg import fast
 from moecg.dispatch.capacity import capacity
 from moecg.harness import Phases, run_experiment
-from moecg.models.zoo import VARIANT_PRESETS
+from moecg.models.adapter import adapter_for
+from moecg.models.zoo import FAMILY_PRESETS, VARIANT_PRESETS, make_config
 from moecg.plan import PlanError, resolve_plan
 
 CONF = str(Path(moecg.__file__).parent / "conf")
-PRESETS = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny", *VARIANT_PRESETS]
+PRESETS = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny", *VARIANT_PRESETS, *FAMILY_PRESETS]
 STRATEGIES = ["eager", "partial", "layer", "full", "capacity", "mixed"]
 DISPATCHES = ["dynamic", "dropless", "fused", "capacity"]
 KERNELS = ["hf", "fused"]
@@ -73,7 +75,20 @@ def _cells(preset):
     return [(s, d, k) for s in STRATEGIES for d in DISPATCHES for k in KERNELS]
 
 
-def _expect_refusal(strategy, dispatch, kernels) -> list[str]:
+@functools.lru_cache(maxsize=None)
+def _fused_gaps(preset) -> tuple[str, ...]:
+    """What the fused step lacks for this preset, read off the declarations (the family adapter's attention kind,
+    router kind and features against what moecg.fast declares it runs), each as the plan's refusal names it."""
+    cfg = make_config(preset)
+    ad = adapter_for(cfg)
+    gaps = [f"{ad.attention} attention"] if ad.attention != "standard" else []
+    if ad.router_kind not in fast.FUSED_ROUTER_KINDS:
+        gaps.append(f"router kind {ad.router_kind!r}")
+    gaps += [f for f in ad.features(cfg) if f not in getattr(fast, "FUSED_FEATURES", ())]
+    return tuple(gaps)
+
+
+def _expect_refusal(preset, strategy, dispatch, kernels) -> list[str]:
     """Why the plan must refuse a combination (the README's rules, restated independently); any one reason may be
     the one it names."""
     why = []
@@ -83,6 +98,8 @@ def _expect_refusal(strategy, dispatch, kernels) -> list[str]:
         why.append("capture.kernels=fused")
     if dispatch == "dynamic" and strategy in ("layer", "full", "mixed", "capacity"):
         why.append("dispatch=dynamic is not graph-safe")
+    if kernels == "fused":
+        why += list(_fused_gaps(preset))
     return why
 
 
@@ -93,7 +110,7 @@ def test_matrix(preset):
     for strategy, dispatch, kernels in _cells(preset):
         status, out = _run(preset, strategy, dispatch, kernels)
         cell = f"{preset} strategy={strategy} dispatch={dispatch} kernels={kernels}"
-        want_refusal = _expect_refusal(strategy, dispatch, kernels)
+        want_refusal = _expect_refusal(preset, strategy, dispatch, kernels)
         if want_refusal:
             assert status == "refused" and any(w in out for w in want_refusal), \
                 f"{cell}: expected refusal ({want_refusal}), got {status}: {out}"
@@ -128,11 +145,13 @@ def test_matrix(preset):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny"])
+@pytest.mark.parametrize("preset", ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny", *FAMILY_PRESETS])
 def test_router_skew_acts_on_every_path(preset):
     imb = {}
-    for strategy, kernels in [("eager", "hf"), ("partial", "hf"), ("layer", "hf"), ("full", "hf"),
-                              ("eager", "fused"), ("full", "fused")]:
+    paths = [("eager", "hf"), ("partial", "hf"), ("layer", "hf"), ("full", "hf"), ("eager", "fused"), ("full", "fused")]
+    for strategy, kernels in paths:
+        if kernels == "fused" and _fused_gaps(preset):
+            continue  # refused by the plan (test_matrix checks that)
         status, res = _run(preset, strategy, "dropless", kernels, 0.5)
         assert status == "ok", res
         imb[(strategy, kernels)] = res["expert_load_imbalance"]

@@ -40,7 +40,7 @@ def capacity_slots(idx, w, valid, num_experts: int, cap: int, drop_policy: str, 
     """Which assignments keep a slot.
 
     idx [T, K], w [T, K], valid [T] | None -> (slot_token [E, C] token index per slot, slot_ok [E, C] bool,
-    routed [T, E] bool, kept [T, E] bool, probs [T, E] fp32). Pure device ops: topk with a static k.
+    routed [T, E] bool, kept [T, E] bool, probs [T, E] fp32). Pure device ops: a sort and a static slice.
     cap: the buffer's slots per expert; cap_used (device scalar <= cap, default cap): how many of them may be
     filled, i.e. the capacity of the real tokens when the batch is padded.
     """
@@ -60,10 +60,13 @@ def capacity_slots(idx, w, valid, num_experts: int, cap: int, drop_policy: str, 
     else:
         raise ValueError(f"dispatch.drop_policy={drop_policy!r}: choose one of {DROP_POLICIES}")
     score = torch.where(routed, score, -1.0)  # [T, E]; unrouted and pad rows rank last
-    top, slot_token = torch.topk(score, k=cap, dim=0)  # [C, E]
+    # A stable sort, not topk: equal weights (identical rows, e.g. a sliding window over repeated tokens) go to the
+    # earlier token, so a tie is broken the same way whether or not pad rows follow (topk's order for ties is not).
+    top, slot_token = torch.sort(score, dim=0, descending=True, stable=True)  # [T, E]
+    top, slot_token = top[:cap], slot_token[:cap]  # [C, E]
     slot_ok = top >= 0  # [C, E]
     if cap_used is not None:
-        # topk sorts descending, so the first cap_used slots hold exactly the real batch's top-C choice
+        # sorted descending, so the first cap_used slots hold exactly the real batch's top-C choice
         slot_ok = slot_ok & (torch.arange(cap, device=idx.device)[:, None] < cap_used)  # [C, E]
     kept = torch.zeros(T, num_experts, dtype=torch.bool, device=idx.device)
     kept.scatter_(0, slot_token, slot_ok)  # [T, E]
