@@ -343,3 +343,33 @@ def test_group_limited_routing_refusals(preset, ov, field):
         cfg = make_config(preset, overrides={**ov, "num_experts_per_tok": 5})
     with pytest.raises(UnsupportedConfigError, match=rf"\.{field}: .*; "):
         adapter_for(cfg).check_supported(cfg, "hf")
+
+
+def test_dense_prefix_must_leave_a_moe_layer():
+    cfg = make_config("deepseek_v3_tiny", num_layers=1)  # layer 0 is dense (first_k_dense_replace=1)
+    with pytest.raises(UnsupportedConfigError, match=r"\.num_hidden_layers: .*no MoE layer.*model.num_layers=2"):
+        adapter_for(cfg).check_supported(cfg, "hf")
+
+
+# -- real shapes -------------------------------------------------------------------------------------------------
+# published sizes (total, active per token; billions) of the checkpoint each preset mirrors
+PUBLISHED = {"deepseek_v3": (671, 37), "glm4_5_air": (106, 12), "deepseek_v2_lite": (15.7, 2.4),
+             "olmoe_1b_7b": (6.9, 1.3), "gpt_oss_20b": (21, 3.6)}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_real_shapes_have_the_published_sizes(preset):
+    """Counted on the meta device (no memory): total parameters, and those one token touches (every non-expert weight,
+    K of the E routed experts), within 10% of the model card (active counts exclude the embedding, as published)."""
+    from moecg.models import FAMILIES
+    from moecg.models.zoo import family_of_config
+
+    cfg = make_config(preset)
+    with torch.device("meta"):
+        model = FAMILIES[family_of_config(cfg)][1](cfg)
+    ad = adapter_for(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - experts + experts * ad.top_k(cfg) / ad.num_experts(cfg) - model.model.embed_tokens.weight.numel()
+    want_total, want_active = PUBLISHED[preset]
+    assert abs(total / 1e9 / want_total - 1) < 0.1 and abs(active / 1e9 / want_active - 1) < 0.1, (total, active)

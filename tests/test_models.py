@@ -6,6 +6,7 @@ from hydra import compose, initialize_config_dir
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
 from moecg.models import PRESETS, apply_router_skew, build_model, make_config
+from moecg.models.zoo import FAMILY_PRESETS
 
 TINY = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny"]
 
@@ -48,7 +49,8 @@ def test_build_is_seeded_and_cuts_layers():
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     assert len(c.adapter.layers(c.model)) == 1
     assert not torch.equal(pa["model.embed_tokens.weight"], dict(c.model.named_parameters())["model.embed_tokens.weight"])
-    assert all(p in PRESETS for p in ["mixtral_8x7b", "qwen1_5_moe_a2_7b", "qwen3_30b_a3b"])
+    assert all(p in PRESETS for p in ["mixtral_8x7b", "qwen1_5_moe_a2_7b", "qwen3_30b_a3b", "deepseek_v3", "glm4_5_air",
+                                      "deepseek_v2_lite", "olmoe_1b_7b", "gpt_oss_20b"])
     assert make_config("qwen1_5_moe_a2_7b", num_layers=2).num_hidden_layers == 2
     with pytest.raises(ValueError, match="unknown model preset"):
         make_config("nope")
@@ -72,7 +74,7 @@ def _imbalance(model, skew):
     return imb
 
 
-@pytest.mark.parametrize("preset", ["mixtral_tiny", "qwen3_moe_tiny"])
+@pytest.mark.parametrize("preset", ["mixtral_tiny", "qwen3_moe_tiny", *FAMILY_PRESETS])
 def test_router_skew_raises_load_imbalance_monotonically(preset):
     model = build_model(preset).model
     ids = torch.randint(0, 512, (2, 6))
@@ -96,7 +98,8 @@ def test_engine_errors_are_clear():
 
 GROUPS = {
     "model": ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny", "mixtral_8x7b", "qwen1_5_moe_a2_7b",
-              "qwen3_30b_a3b", "mixtral_stdlib", "qwen2_moe_stdlib", "local"],
+              "qwen3_30b_a3b", "mixtral_stdlib", "qwen2_moe_stdlib", *FAMILY_PRESETS, "deepseek_v3", "glm4_5_air",
+              "deepseek_v2_lite", "olmoe_1b_7b", "gpt_oss_20b", "local"],
     "strategy": ["eager", "full", "partial", "layer", "capacity", "mixed"],
     "dispatch": ["dynamic", "dropless", "capacity"],
     "logger": ["none", "wandb"],

@@ -218,6 +218,10 @@ class FamilyAdapter:
             refuse("rope_parameters", "rope_type=dynamic recomputes the rotary frequencies on the host when the "
                    "sequence outgrows them, which a captured decode step cannot do",
                    "use strategy=layer or partial (the rotary embedding runs eagerly there) or strategy=eager")
+        dense = getattr(config, "first_k_dense_replace", None) or 0
+        if dense >= n:  # DeepSeek, GLM: layers below first_k_dense_replace are dense MLPs
+            refuse("num_hidden_layers", f"the first first_k_dense_replace={dense} layers are dense, so {n} layers have "
+                   "no MoE layer to measure", f"keep more layers (model.num_layers={dense + 1} or more)")
         if self.router_kind in ("sigmoid_group", "softmax_group"):
             self._check_groups(config, refuse)
         if kernels == "hf":
