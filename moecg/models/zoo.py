@@ -175,6 +175,16 @@ PRESETS: dict[str, dict] = {
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
         max_position_embeddings=4096, rope_theta=1e4, use_sliding_window=False, router_aux_loss_coef=0.01,
     ),
+    # DeepSeek-V3 style (MLA, layer 0 dense, 8 routed experts in 4 groups of which 2 are searched, top-2 + 1 shared,
+    # sigmoid scores scaled by 2.5), balanced without an aux loss by the e_score_correction_bias update
+    "deepseek_v3_stdlib": dict(
+        family="deepseek_v3", vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=64,
+        v_head_dim=64, max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        num_mtp_layers=0, router_aux_loss_coef=0.0,
+    ),
 }
 
 # Tiny variants of the tiny presets, one config feature each (sliding windows shorter than a test's prompt, a dense
