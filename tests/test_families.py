@@ -373,3 +373,24 @@ def test_real_shapes_have_the_published_sizes(preset):
     active = total - experts + experts * ad.top_k(cfg) / ad.num_experts(cfg) - model.model.embed_tokens.weight.numel()
     want_total, want_active = PUBLISHED[preset]
     assert abs(total / 1e9 / want_total - 1) < 0.1 and abs(active / 1e9 / want_active - 1) < 0.1, (total, active)
+
+
+def test_deepseek_v2_group_limited_router():
+    """DeepSeek-V2's other topk_method (the 236B model's): the skewed forward mirrors it too, and the spec records the
+    groups only where the router uses them."""
+    greedy = _build("deepseek_v2_tiny")
+    assert greedy.adapter.router_spec(greedy.adapter.router_of(greedy.model.model.layers[1])).n_group == 1
+    b = _build("deepseek_v2_tiny", topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    router = b.adapter.router_of(b.model.model.layers[1])
+    spec = b.adapter.router_spec(router)
+    assert (spec.n_group, spec.topk_group, spec.normalize, spec.weights_fp32) == (4, 2, False, True)
+    h = torch.randn(2 * S, b.model.config.hidden_size, generator=torch.Generator().manual_seed(6))  # [T, D]
+    router._moecg_skew = torch.zeros(router.num_experts)
+    try:
+        with torch.no_grad():
+            got, want = SKEWED_FORWARDS["softmax_group"](router, h), router(h)
+    finally:
+        del router._moecg_skew
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    ids = want[2]  # [T, K]: every token's experts lie in at most topk_group of the 4 groups
+    assert int((torch.zeros(ids.shape[0], 4).scatter(1, ids // 4, 1.0).sum(1) <= 2).all())
