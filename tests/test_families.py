@@ -107,7 +107,8 @@ def test_kv_cache_shapes_are_what_hf_writes(fam):
         k, v = layer.keys.shape, layer.values.shape
         assert (k[0], k[1], k[3], v[0], v[1], v[3]) == (2, hk, dk, 2, hv, dv), preset
     per_token = sum(layer.keys[0, :, 0].numel() + layer.values[0, :, 0].numel() for layer in cache.layers)
-    # floor's KV term: rows * per-token elements of every layer * context * bytes (no sliding layer in the context)
+    # floor's KV term: rows * per-token elements of every layer * context * bytes, at a context no longer than the
+    # smallest window (so every layer, sliding or not, reads all of it)
     ctx = min([w for w in b.adapter.attention_windows(b.model.config) if w] or [S])
     base = floor_bytes(b.model, b.adapter, [0] * len(b.adapter.moe_layers(b.model)), 1, 0)
     assert floor_bytes(b.model, b.adapter, [0] * len(b.adapter.moe_layers(b.model)), 1, ctx) - base == per_token * ctx * 4
