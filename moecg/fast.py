@@ -144,6 +144,9 @@ class FastDecode:
         features = ad.features(cfg)
         self.cast_last = "rmsnorm_cast_last" in features  # GPT-OSS's norms multiply in fp32, then cast
         self.rotary_dim = ad.rotary_dim(cfg)
+        # HF's eager attention rounds the scores (and, with sinks, the max-subtracted logits) to the model dtype; sdpa
+        # and flash keep them in fp32. GPT-OSS runs eager here (its sinks have no sdpa path): the fused step rounds alike.
+        self.eager_attn = getattr(cfg, "_attn_implementation", None) == "eager"
         clip = getattr(cfg, "clip_qkv", None)  # OLMoE: q, k, v clamped after the q/k norm
         inner = model.model
         self.embed = inner.embed_tokens.weight
@@ -309,7 +312,7 @@ class FastDecode:
             q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
                                L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
             o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
-                                sinks=L.sinks)  # [T, Hq*Dh]
+                                sinks=L.sinks, eager=self.eager_attn)  # [T, Hq*Dh]
             a = F.linear(o, L.wo, L.bo)  # [T, D]
             res, h = ops.add_rmsnorm(a[:, None], res, L.post_w, L.post_eps, cast_last=cl)
             nw, neps = (self.layers[i + 1].in_w, self.layers[i + 1].in_eps) if i + 1 < n else (self.norm_w,

@@ -153,7 +153,8 @@ class _FakeCache:
 
 
 def test_sink_attention_reference_is_hfs_eager():
-    """GPT-OSS's eager attention (sinks join the softmax, then dropped) == ref.attn_decode, full and sliding."""
+    """GPT-OSS's eager attention (sinks join the softmax, then dropped) == ref.attn_decode, full and sliding: to fp32
+    rounding with fp32 softmax (eager=False), bit for bit in bf16 with eager=True."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
     torch.manual_seed(0)
@@ -170,6 +171,13 @@ def test_sink_attention_reference_is_hfs_eager():
         torch.testing.assert_close(got, want.reshape(T, Hq * Dh), atol=1e-6, rtol=1e-5)
         no_sink = ref.attn_decode(q, keys, values, torch.tensor(pos), 0.25, window)
         assert float((no_sink - got).abs().max()) > 1e-2  # the sinks matter at this scale
+        # bf16: eager=True rounds where HF's eager attention rounds, bit for bit
+        bf = [t.to(torch.bfloat16) for t in (q, keys, values, module.sinks)]
+        module.sinks = bf[3]
+        want, _ = eager_attention_forward(module, bf[0][:, :, None], bf[1], bf[2], mask.to(torch.bfloat16), 0.25)
+        got = ref.attn_decode(*bf[:3], torch.tensor(pos), 0.25, window, bf[3], eager=True)
+        assert torch.equal(got, want.reshape(T, Hq * Dh))
+        module.sinks = module.sinks.float()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

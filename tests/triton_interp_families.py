@@ -51,13 +51,16 @@ for R, full, clip in ((16, None, None), (8, False, None), (16, True, 0.7), (4, T
     close(k1, k2)
     close(v1, v2, 0)
 
-# decode attention with sinks: one split and split contexts (the sink joins in the merge kernel), windows
+# decode attention with sinks: one split and split contexts (the sink joins in the merge kernel), windows, and HF
+# eager's rounding (a no-op in fp32: this checks the two-pass kernel's arithmetic; the bf16 rounding is checked on GPU)
 for Tq, Lc, cases in ((3, 80, ((0, 0), (33, 0), (79, 0), (70, 20))), (1, 192, ((191, 0), (150, 64)))):
     keys, vals, q = torch.randn(Tq, Hkv, Lc, Dh), torch.randn(Tq, Hkv, Lc, Dh), torch.randn(Tq, Hq, Dh)
     sinks = torch.randn(Hq) * 2
     for p, window in cases:
-        close(ref.attn_decode(q, keys, vals, torch.tensor(p), 0.25, window, sinks),
-              tri.attn_decode(q, keys, vals, torch.tensor(p), 0.25, window, sinks))
+        for sk in (sinks, None):
+            for eager in (False, True):  # eager with sinks: the two-pass kernel
+                close(ref.attn_decode(q, keys, vals, torch.tensor(p), 0.25, window, sk, eager),
+                      tri.attn_decode(q, keys, vals, torch.tensor(p), 0.25, window, sk, eager))
 
 # routers: sigmoid_group (flat, grouped, unnormalised, k not a power of two), topk_softmax
 E = 32

@@ -91,11 +91,14 @@ def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: 
     return q
 
 
-def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None):
+def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None, eager: bool = False):
     """q [T, Hq, Dh] against cache slots [0, pos] (the last `window` only, if window) -> [T, Hq*Dh].
 
     sinks [Hq]: GPT-OSS's learned per-head logit, one more softmax column whose probability is dropped (it only
     enlarges the denominator).
+    eager: round as HF's eager attention does (the only one GPT-OSS's sinks run with here): scores in the model
+    dtype after the QK product and after the scaling, and with sinks the max-subtracted logits too, softmax in that
+    dtype. Otherwise as sdpa: fp32 scores and softmax.
     """
     T, Hq, Dh = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
@@ -106,6 +109,16 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     ok = slots <= pos
     if window:
         ok = ok & (slots > pos - window)
+    if eager:  # transformers' eager_attention_forward (GPT-OSS's with sinks), op for op
+        scores = torch.matmul(q[:, :, None, :], k.transpose(-1, -2)) * scaling  # [T, Hq, 1, L] model dtype
+        scores = scores.masked_fill(~ok, float("-inf"))
+        if sinks is not None:
+            combined = torch.cat([scores, sinks.reshape(1, Hq, 1, 1).expand(T, Hq, 1, 1)], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            p = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype)
+        else:
+            p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(p, v).reshape(T, Hq * Dh)
     scores = torch.matmul(q[:, :, None, :].float(), k.float().transpose(-1, -2)) * scaling  # [T, Hq, 1, L]
     scores = scores.masked_fill(~ok, float("-inf"))
     if sinks is not None:

@@ -166,11 +166,23 @@ def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: 
 # form the rows of a tensor-core tile. Splits > 1 write partial (max, sum, acc) merged by a second kernel.
 # Attention sinks (GPT-OSS) are one more logit per head with no value: they start the running (max, sum) at
 # (sink, 1) -- in the merge kernel when the context is split -- and never touch the accumulator.
+# EAGER rounds the scores as HF's eager attention does (model dtype after QK and after the scaling); with sinks it
+# also rounds the max-subtracted logits, which needs the final max first: TWO_PASS reads K twice (max, then the
+# softmax with that max fixed), in one split.
+@triton.jit
+def _scores(q, k, scaling, dt: tl.constexpr, EAGER: tl.constexpr):
+    s = tl.dot(q, tl.trans(k))  # [GP, BLOCK_L] fp32
+    if EAGER:
+        return (s.to(dt).to(tl.float32) * scaling).to(dt).to(tl.float32)
+    return s * scaling
+
+
 @triton.jit(do_not_specialize=["T", "chunk", "window"])
 def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
                         T, scaling, window, chunk, s_qt, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ot,
                         G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BLOCK_L: tl.constexpr,
-                        SPLIT: tl.constexpr, HAS_SINK: tl.constexpr):
+                        SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, EAGER: tl.constexpr,
+                        TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr):
     t = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -183,37 +195,67 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
     d = tl.arange(0, DH)
     gm = gi < G
     q = tl.load(q_ptr + t * s_qt + (hk * G + gi)[:, None] * s_qh + d[None, :], mask=gm[:, None], other=0.0)
-    if HAS_SINK and not SPLIT:
-        m_i = tl.load(sink_ptr + hk * G + gi, mask=gm, other=0.0).to(tl.float32)
-        l_i = tl.full([GP], 1.0, dtype=tl.float32)
-    else:
-        m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, DH], dtype=tl.float32)
+    dt = q_ptr.dtype.element_ty
     kb = k_ptr + t * s_kb + hk * s_kh
     vb = v_ptr + t * s_vb + hk * s_vh
-    for s0 in range(start, stop, BLOCK_L):
-        sl = s0 + tl.arange(0, BLOCK_L)
-        lm = sl < stop
-        k = tl.load(kb + sl[:, None] * s_kl + d[None, :], mask=lm[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scaling  # [GP, BLOCK_L]
-        s = tl.where(lm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vb + sl[:, None] * s_vl + d[None, :], mask=lm[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    if not SPLIT:
+    if TWO_PASS:  # HF eager with sinks: softmax(round(cat(scores, sink) - max)), the max over keys and sink
+        sk = tl.load(sink_ptr + hk * G + gi, mask=gm, other=0.0).to(tl.float32)
+        m = sk
+        for s0 in range(start, stop, BLOCK_L):
+            sl = s0 + tl.arange(0, BLOCK_L)
+            lm = sl < stop
+            k = tl.load(kb + sl[:, None] * s_kl + d[None, :], mask=lm[:, None], other=0.0)
+            s = tl.where(lm[None, :], _scores(q, k, scaling, dt, EAGER), float("-inf"))
+            m = tl.maximum(m, tl.max(s, axis=1))
+        xs = sk - m
+        if SUB_ROUND:
+            xs = xs.to(dt).to(tl.float32)
+        l_i = tl.exp(xs)
+        acc = tl.zeros([GP, DH], dtype=tl.float32)
+        for s0 in range(start, stop, BLOCK_L):
+            sl = s0 + tl.arange(0, BLOCK_L)
+            lm = sl < stop
+            k = tl.load(kb + sl[:, None] * s_kl + d[None, :], mask=lm[:, None], other=0.0)
+            x = _scores(q, k, scaling, dt, EAGER) - m[:, None]
+            if SUB_ROUND:
+                x = x.to(dt).to(tl.float32)
+            p = tl.where(lm[None, :], tl.exp(x), 0.0)
+            l_i += tl.sum(p, axis=1)
+            v = tl.load(vb + sl[:, None] * s_vl + d[None, :], mask=lm[:, None], other=0.0)
+            acc += tl.dot(p.to(v.dtype), v)
         out = acc / l_i[:, None]
         tl.store(o_ptr + t * s_ot + (hk * G + gi)[:, None] * DH + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=gm[:, None])
     else:
-        row = (t * tl.num_programs(1) + hk) * tl.num_programs(2) + sp
-        tl.store(m_ptr + row * GP + gi, m_i)
-        tl.store(l_ptr + row * GP + gi, l_i)
-        tl.store(acc_ptr + (row * GP + gi)[:, None] * DH + d[None, :], acc)
+        if HAS_SINK and not SPLIT:
+            m_i = tl.load(sink_ptr + hk * G + gi, mask=gm, other=0.0).to(tl.float32)
+            l_i = tl.full([GP], 1.0, dtype=tl.float32)
+        else:
+            m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, DH], dtype=tl.float32)
+        for s0 in range(start, stop, BLOCK_L):
+            sl = s0 + tl.arange(0, BLOCK_L)
+            lm = sl < stop
+            k = tl.load(kb + sl[:, None] * s_kl + d[None, :], mask=lm[:, None], other=0.0)
+            s = _scores(q, k, scaling, dt, EAGER)  # [GP, BLOCK_L]
+            s = tl.where(lm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vb + sl[:, None] * s_vl + d[None, :], mask=lm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        if not SPLIT:
+            out = acc / l_i[:, None]
+            tl.store(o_ptr + t * s_ot + (hk * G + gi)[:, None] * DH + d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=gm[:, None])
+        else:
+            row = (t * tl.num_programs(1) + hk) * tl.num_programs(2) + sp
+            tl.store(m_ptr + row * GP + gi, m_i)
+            tl.store(l_ptr + row * GP + gi, l_i)
+            tl.store(acc_ptr + (row * GP + gi)[:, None] * DH + d[None, :], acc)
 
 
 @triton.jit(do_not_specialize=["splits"])
@@ -244,7 +286,7 @@ def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, splits, G: 
              mask=(gi < G)[:, None])
 
 
-def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None):
+def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None, eager: bool = False):
     T, Hq, Dh = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
@@ -255,6 +297,9 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     chunk = triton.cdiv(span, splits)
     chunk = triton.cdiv(chunk, 64) * 64
     splits = triton.cdiv(span, chunk)
+    two_pass = eager and sinks is not None
+    if two_pass:
+        splits, chunk = 1, span
     o = torch.empty(T, Hq * Dh, dtype=q.dtype, device=q.device)
     if splits > 1:
         m = torch.empty(T * Hkv * splits, GP, dtype=torch.float32, device=q.device)
@@ -267,7 +312,8 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     _attn_decode_kernel[(T, Hkv, splits)](
         q, keys, values, pos, sk, o, m, l_, acc, T, scaling, window, chunk, q.stride(0), q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, HAS_SINK=sinks is not None, num_warps=4)
+        o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, HAS_SINK=sinks is not None, EAGER=eager,
+        TWO_PASS=two_pass, SUB_ROUND=two_pass and sinks.dtype == q.dtype, num_warps=4)
     if splits > 1:
         _attn_merge_kernel[(T, Hkv)](o, m, l_, acc, sk, o.stride(0), splits, G=G, GP=GP, DH=Dh,
                                      HAS_SINK=sinks is not None, num_warps=4)
