@@ -29,7 +29,7 @@ def _f(name, group, doc, *flags):
 FIELDS: tuple[Field, ...] = (
     # what ran
     _f("model", "what", "preset name, or the checkpoint directory's name for model=local", _S, _A, _X),
-    _f("family", "what", "mixtral | qwen2_moe | qwen3_moe"),
+    _f("family", "what", "the model family (a key of moecg.models.zoo.FAMILIES, e.g. mixtral, deepseek_v3, gpt_oss)"),
     _f("num_layers", "what", "decoder layers"),
     _f("num_experts", "what", "routed experts per MoE layer"),
     _f("top_k", "what", "experts per token"),
@@ -162,7 +162,8 @@ def markdown_table() -> str:
     """The README's results-schema table."""
     lines = ["| field | group | meaning |", "|---|---|---|"]
     for f in FIELDS + FAILED_FIELDS:
-        lines.append(f"| `{f.name}` | {f.group} | {f.doc} |")
+        doc = f.doc.replace("|", "\\|")  # a bare | would end the table cell
+        lines.append(f"| `{f.name}` | {f.group} | {doc} |")
     return "\n".join(lines)
 
 

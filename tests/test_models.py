@@ -96,15 +96,10 @@ def test_engine_errors_are_clear():
         eng.generate(torch.zeros(3, 2, dtype=torch.long), 2)
 
 
-GROUPS = {
-    "model": ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny", "mixtral_8x7b", "qwen1_5_moe_a2_7b",
-              "qwen3_30b_a3b", "mixtral_stdlib", "qwen2_moe_stdlib", *FAMILY_PRESETS, "deepseek_v3", "glm4_5_air",
-              "deepseek_v2_lite", "olmoe_1b_7b", "gpt_oss_20b", "local"],
-    "strategy": ["eager", "full", "partial", "layer", "capacity", "mixed"],
-    "dispatch": ["dynamic", "dropless", "capacity"],
-    "logger": ["none", "wandb"],
-    "experiment": ["strategy_matrix", "capacity_sweep"],
-}
+# every option of every config group, read off conf/ itself, so a new YAML is composed without editing this list
+_CONF = __import__("pathlib").Path(__import__("moecg").__file__).parent / "conf"
+GROUPS = {g: sorted(p.stem for p in (_CONF / g).glob("*.yaml"))
+          for g in ("model", "strategy", "dispatch", "logger", "experiment")}
 
 
 def test_every_config_option_composes():
