@@ -418,8 +418,12 @@ def check_fits(plan: RunPlan, available: int | None = None) -> None:
     per_layer_total = per_layer + engines * _kv_bytes_per_layer(plan, nbytes)
     fixed = plan.memory_bytes - plan.model.layers * per_layer_total
     fit = int((MEMORY_HEADROOM * avail - fixed) // per_layer_total) if per_layer_total else 0
-    fix = (f"model.num_layers={fit} fits" if fit >= 1 else
-           "no depth fits: use a smaller preset or a machine with more memory")
+    from moecg.models.adapter import ADAPTERS
+
+    least = ADAPTERS[plan.model.family].min_layers(plan.model.config)  # a cut must keep a routed layer
+    fix = (f"model.num_layers={fit} fits" if fit >= least else
+           "no depth that keeps a routed layer fits: use a smaller preset, model.dtype=bf16 on a GPU, or a machine "
+           "with more memory")
     where = "GPU" if plan.device.type == "cuda" else "CPU RAM"
     raise PlanError(f"this run needs about {plan.memory_bytes / 2**30:.1f} GiB ({plan.model.layers} layers, "
                     f"{plan.dtype}, batch {plan.max_rows}, cache {plan.max_cache_len}) but {avail / 2**30:.1f} GiB of "

@@ -179,6 +179,10 @@ class FamilyAdapter:
             return [int(sw or 0) if t == "sliding_attention" else 0 for t in types[:n]]
         return [int(sw) if sw is not None else 0] * n
 
+    def min_layers(self, config) -> int:
+        """The fewest decoder layers a cut can keep and still have a routed layer (DeepSeek/GLM: dense first layers)."""
+        return (getattr(config, "first_k_dense_replace", None) or 0) + 1
+
     def check_supported(self, config, kernels: str = "hf", *, step_graph: bool = False, model=None) -> None:
         """Raise UnsupportedConfigError, before any work, for a config field moecg would run wrongly.
 
@@ -218,7 +222,7 @@ class FamilyAdapter:
             refuse("rope_parameters", "rope_type=dynamic recomputes the rotary frequencies on the host when the "
                    "sequence outgrows them, which a captured decode step cannot do",
                    "use strategy=layer or partial (the rotary embedding runs eagerly there) or strategy=eager")
-        dense = getattr(config, "first_k_dense_replace", None) or 0
+        dense = self.min_layers(config) - 1
         if dense >= n:  # DeepSeek, GLM: layers below first_k_dense_replace are dense MLPs
             refuse("num_hidden_layers", f"the first first_k_dense_replace={dense} layers are dense, so {n} layers have "
                    "no MoE layer to measure", f"keep more layers (model.num_layers={dense + 1} or more)")
