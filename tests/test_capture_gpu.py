@@ -29,13 +29,17 @@ NEW_MODELS = [("deepseek_v3", 4), ("glm4_5_air", 2), ("deepseek_v2_lite", 2), ("
 
 
 
-@pytest.fixture(scope="module", params=MODELS, ids=[m for m, _ in MODELS])
-def built(request):
+def _built(request):
     preset, layers = request.param
     b = build_model(preset, num_layers=layers, device="cuda")
     yield b
     del b
     torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=[m for m, _ in MODELS])
+def built(request):
+    yield from _built(request)
 
 
 @pytest.mark.parametrize("strategy,layers,dispatch", CASES, ids=[f"{s}-{d}" for s, _, d in CASES])
@@ -162,11 +166,7 @@ def test_capacity_at_a_non_bucket_batch_drops_as_eager(built, batch, kernels):
 
 @pytest.fixture(scope="module", params=NEW_MODELS, ids=[m for m, _ in NEW_MODELS])
 def built_new(request):
-    preset, layers = request.param
-    b = build_model(preset, num_layers=layers, device="cuda")
-    yield b
-    del b
-    torch.cuda.empty_cache()
+    yield from _built(request)
 
 
 def test_new_family_strategies_replay_eager(built_new):
