@@ -1,0 +1,267 @@
+"""Ragged decode (issue 12, deliverable 1, HF-module paths): every row of the decode batch has its own length.
+
+Dims: B rows run (a bucket, >= m), m live rows, B_max slots, S prompt tokens, L cache slots, H kv heads, Dh head dim.
+
+`RaggedCache` is a transformers `Cache` of `RaggedLayer`s: linear [B_max, H, L, Dh] key/value buffers plus ONE
+device length tensor `lengths` [B_max] int64 shared by every layer and every row view (views of the first B rows,
+fixed addresses, as RowCache). A layer's `update` writes row b's new keys at slots lengths[b] .. lengths[b]+S-1
+(index_put with device indices: no host sync, graph-safe) and returns the whole buffers; the length is advanced
+once per step by the engine, not per layer.
+
+The engine hands the HF model its own `position_ids` (lengths[:B, None]) and a 4D attention mask
+[B, 1, S, L] = (slot <= position) built on the device from `lengths` inside the step, so a captured step
+recomputes both on replay. transformers 5.24's masking_utils returns a 4D mask as is (_preprocess_mask_arguments'
+early exit) and every family here only reads cache.get_seq_length() when position_ids is None; sdpa takes the
+boolean mask, eager attention an additive one (built to match config._attn_implementation).
+
+Sliding-window models are refused: Mixtral and Qwen3-MoE would take one windowed mask, but Qwen2-MoE picks a mask
+per layer type, and that is not built here.
+
+Slots: requests join with `add` (an eager one-row prefill into a free slot: positions 0..S-1, then lengths[r] = S)
+and leave with `remove` (the last live row moves into the freed slot: K/V rows, length and current token), so the
+live rows stay 0..m-1 and a step runs in the smallest bucket holding m; pad rows (m..B-1) keep length 0, do not
+advance, and are masked in routing (DispatchState.set_rows(m, B)).
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, StaticLayer
+
+from moecg.dispatch import state_of
+from moecg.engine import CacheOverflowError, DecodeEngine, _kv_shape, _null
+from moecg.models.adapter import adapter_for
+
+
+class RaggedLayer(StaticLayer):
+    """A linear StaticLayer whose writes follow each row's own length (`lengths` [B] int64, shared, not advanced here)."""
+
+    def __init__(self, max_cache_len: int, lengths: torch.Tensor):
+        super().__init__(max_cache_len)
+        self.lengths = lengths  # [B] view of the engine's [B_max] tensor
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # key_states [B, H, S, Dh]: row b's token s goes to slot lengths[b] + s
+        B, S = key_states.shape[0], key_states.shape[-2]
+        pos = self.lengths[:B, None] + torch.arange(S, device=key_states.device)  # [B, S]
+        rows = torch.arange(B, device=key_states.device)[:, None].expand(B, S)  # [B, S]
+        # [B, L, H, Dh] views: index_put over (row, slot) writes [B, S, H, Dh]
+        self.keys.transpose(1, 2).index_put_((rows, pos), key_states.transpose(1, 2))
+        self.values.transpose(1, 2).index_put_((rows, pos), value_states.transpose(1, 2))
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self):
+        raise RuntimeError("a RaggedCache has one length per row: pass position_ids (RaggedEngine does)")
+
+
+class RaggedCache:
+    """Key/value buffers for `max_rows` slots, one shared lengths tensor, and `Cache` views of the first B rows
+    (`view(B)`) or of one slot (`slot(r)`, for its prefill)."""
+
+    def __init__(self, config, max_rows: int, max_cache_len: int, device, dtype):
+        self.config, self.max_rows, self.max_cache_len = config, max_rows, max_cache_len
+        self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)  # [B_max]
+        (hk, dk), (hv, dv) = _kv_shape(config)
+        n = config.num_hidden_layers
+        self.keys = [torch.zeros(max_rows, hk, max_cache_len, dk, dtype=dtype, device=device) for _ in range(n)]
+        self.values = [torch.zeros(max_rows, hv, max_cache_len, dv, dtype=dtype, device=device) for _ in range(n)]
+        self._views: dict[int, Cache] = {}
+        self._slots: dict[int, Cache] = {}
+        self.full = self.view(max_rows)
+
+    def _make(self, sl: slice) -> Cache:
+        layers = []
+        for k, v in zip(self.keys, self.values):
+            layer = RaggedLayer(self.max_cache_len, self.lengths[sl])
+            # what StaticLayer.lazy_initialization sets, on views instead of fresh buffers
+            layer.keys, layer.values = k[sl], v[sl]  # [B, H, L, Dh] views, fixed addresses
+            layer.device = k.device
+            layer.batch_size, layer.num_heads, _, layer.k_head_dim = layer.keys.shape
+            layer.v_head_dim = layer.values.shape[-1]
+            layer.cumulative_length = layer.cumulative_length.to(k.device)  # unused: lengths is the counter
+            layer.is_initialized = True
+            layers.append(layer)
+        return Cache(layers=layers)
+
+    def view(self, rows: int) -> Cache:
+        if rows not in self._views:
+            if rows > self.max_rows:
+                raise ValueError(f"{rows} rows exceed the cache's {self.max_rows}")
+            self._views[rows] = self._make(slice(0, rows))
+        return self._views[rows]
+
+    def slot(self, r: int) -> Cache:
+        if r not in self._slots:
+            self._slots[r] = self._make(slice(r, r + 1))
+        return self._slots[r]
+
+    # the interface Capture and DecodeEngine.scratch use
+    def reset(self) -> None:
+        self.lengths.zero_()
+        for t in (*self.keys, *self.values):
+            t.zero_()
+
+    def save_lengths(self):
+        return self.lengths.clone()
+
+    def restore_lengths(self, saved) -> None:
+        self.lengths.copy_(saved)
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot src's K/V rows and length into slot dst (device copies)."""
+        for t in (*self.keys, *self.values):
+            t[dst].copy_(t[src])
+        self.lengths[dst] = self.lengths[src]
+
+
+def check_ragged_supported(model) -> None:
+    config = model.config
+    windows = adapter_for(model).attention_windows(config)
+    if any(w for w in windows):
+        raise ValueError(f"ragged decode does not support sliding-window attention (layer windows {windows}): one "
+                         "4D mask per step cannot give Qwen2-MoE's per-layer windows and none is built here; use "
+                         "DecodeEngine, or a config without sliding_window")
+    impl = config._attn_implementation
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(f"ragged decode builds its own 4D attention mask: attn_implementation={impl!r} is not "
+                         "supported (use sdpa or eager)")
+
+
+class RaggedEngine(DecodeEngine):
+    """Greedy serving-like decode: requests join (`add`) and leave (`remove`) between steps (`step`).
+
+    Capture strategies apply through moecg.capture.Capture as on DecodeEngine (its hooks: rows_for, step_impl,
+    eager_step, scratch, cache.reset/save_lengths/restore_lengths); apply the capture before the first `add`
+    (capturing resets the cache).
+    """
+
+    def __init__(self, model, max_cache_len: int, max_rows: int):
+        self.model = model
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_cache_len, self.max_rows = max_cache_len, max_rows
+        adapter_for(model).check_supported(model.config, "hf")
+        check_ragged_supported(model)
+        self.cache = RaggedCache(model.config, max_rows, max_cache_len, self.device, self.dtype)
+        self.ids = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] current tokens
+        self.live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] 1: a live row
+        self._slots_ar = torch.arange(max_cache_len, device=self.device)  # [L]
+        self._additive = model.config._attn_implementation == "eager"
+        self.rows_for = lambda n: n
+        self.step_impl = self.eager_step
+        self.decode_forward = None
+        # host bookkeeping: slot i holds request order[i]; host copies of each request's length
+        self.order: list = []
+        self.host_len: dict = {}
+        self.tokens: dict = {}  # request id -> generated tokens (first from the prefill)
+        self.last_logits: torch.Tensor | None = None  # [m, V] of the last step (or prefill for add)
+        self.step_rows: list[int] = []
+
+    # -- forwards ---------------------------------------------------------------------------------------
+    def _mask(self, pos: torch.Tensor) -> torch.Tensor:
+        """pos [B, S] absolute positions -> [B, 1, S, L] mask: a row's query sees slots <= its position."""
+        m = (self._slots_ar[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, L]
+        if self._additive:
+            m = torch.zeros(m.shape, dtype=self.dtype, device=self.device).masked_fill_(~m, torch.finfo(self.dtype).min)
+        return m
+
+    @torch.no_grad()
+    def _run(self, ids: torch.Tensor, cache: Cache, lengths: torch.Tensor, decode: bool) -> torch.Tensor:
+        """ids [B, S] on `cache` (rows with lengths [B]) -> last-position logits [B, V]."""
+        S = ids.shape[1]
+        pos = lengths[:, None] + torch.arange(S, device=self.device)  # [B, S]
+        call = self.decode_forward if decode and self.decode_forward is not None else self.model
+        out = call(input_ids=ids, attention_mask=self._mask(pos), position_ids=pos, cache=cache, use_cache=True,
+                   logits_to_keep=1, output_router_logits=False)
+        return out.logits[:, -1]
+
+    def forward(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
+        state = state_of(self.model)
+        with state.rows(rows) if state is not None else _null():
+            return self._run(ids, self.cache.view(rows), self.cache.lengths[:rows], ids.shape[1] == 1)
+
+    def eager_step(self, ids: torch.Tensor, rows: int):
+        """ids [B_max] -> (next ids [B], logits [B, V]); live rows' lengths advance by one (in place, on device)."""
+        logits = self.forward(ids[:rows, None], rows)
+        self.cache.lengths[:rows].add_(self.live[:rows])
+        return logits.argmax(-1), logits
+
+    # -- requests ---------------------------------------------------------------------------------------
+    @property
+    def n_live(self) -> int:
+        return len(self.order)
+
+    @torch.no_grad()
+    def add(self, request_id, prompt_ids, max_new_tokens: int | None = None) -> int:
+        """Prefill `prompt_ids` [S] into a free slot (eagerly, one row) -> the slot. Its first token is in tokens[id]."""
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        S = prompt.numel()
+        if request_id in self.host_len:
+            raise ValueError(f"request {request_id!r} is already running")
+        need = S + (max_new_tokens if max_new_tokens is not None else 1)
+        if S < 1 or need > self.max_cache_len:
+            raise CacheOverflowError(
+                f"request {request_id!r}: prompt of {S} tokens + {max_new_tokens or 1} new = {need} exceeds the KV "
+                f"cache ({self.max_cache_len} slots per row): shorten it or raise max_cache_len")
+        if self.n_live >= self.max_rows:
+            raise ValueError(f"all {self.max_rows} slots are busy: remove a finished request first (or raise max_rows)")
+        r = self.n_live
+        state = state_of(self.model)
+        if state is not None:
+            state.set_rows(1, 1)
+        self.cache.lengths[r] = 0
+        with (state.prefill() if state is not None else _null()), (state.rows(1) if state is not None else _null()):
+            logits = self._run(prompt.to(self.device)[None], self.cache.slot(r), self.cache.lengths[r:r + 1], False)
+        self.cache.lengths[r] = S
+        self.live[r] = 1
+        first = logits.argmax(-1)  # [1]
+        self.ids[r] = first[0]
+        self.order.append(request_id)
+        self.host_len[request_id] = S
+        self.tokens[request_id] = [int(first[0])]
+        self.last_logits = logits
+        return r
+
+    def remove(self, request_id) -> list[int]:
+        """The request leaves; the last live row moves into its slot. Returns its generated tokens."""
+        r = self.order.index(request_id)
+        last = self.n_live - 1
+        if r != last:
+            self.cache.move(last, r)
+            self.ids[r] = self.ids[last]
+            self.order[r] = self.order[last]
+        self.order.pop()
+        self.cache.lengths[last] = 0
+        self.live[last] = 0
+        self.ids[last] = 0
+        del self.host_len[request_id]
+        return self.tokens.pop(request_id)
+
+    @torch.no_grad()
+    def step(self) -> dict:
+        """One greedy decode step for every live request -> {request id: next token}."""
+        m = self.n_live
+        if m == 0:
+            return {}
+        full = [rid for rid in self.order if self.host_len[rid] >= self.max_cache_len]
+        if full:
+            raise CacheOverflowError(f"requests {full} filled their {self.max_cache_len} cache slots: remove them "
+                                     "before the next step (or raise max_cache_len)")
+        rows = self.rows_for(m)
+        self.ids[m:rows] = 0
+        self._set_rows(m, rows)
+        nxt, logits = self.step_impl(self.ids, rows)
+        self.ids[:m] = nxt[:m]
+        self.last_logits = logits[:m]
+        self.step_rows.append(rows)
+        out = {}
+        for rid, t in zip(self.order, nxt[:m].tolist()):
+            self.host_len[rid] += 1
+            self.tokens[rid].append(t)
+            out[rid] = t
+        return out
+
+    def generate(self, *args, **kwargs):
+        raise TypeError("RaggedEngine decodes requests: use add / step / remove (DecodeEngine.generate for batches)")
