@@ -151,13 +151,25 @@ class RaggedEngine(DecodeEngine):
         self._additive = model.config._attn_implementation == "eager"
         self.rows_for = lambda n: n
         self.step_impl = self.eager_step
-        self.decode_forward = None
+        self._decode_forward = None
         # host bookkeeping: slot i holds request order[i]; host copies of each request's length
         self.order: list = []
         self.host_len: dict = {}
         self.tokens: dict = {}  # request id -> generated tokens (first from the prefill)
         self.last_logits: torch.Tensor | None = None  # [m, V] of the last step (or prefill for add)
         self.step_rows: list[int] = []
+
+    @property
+    def decode_forward(self):
+        return self._decode_forward
+
+    @decode_forward.setter
+    def decode_forward(self, fn):
+        # the fused step (moecg.fast) computes attention from its own single position counter: not per row
+        if type(fn).__name__ == "FastDecode":
+            raise ValueError("capture.kernels=fused is not supported by ragged decode: the fused step has one "
+                             "position for every row; use capture.kernels=hf")
+        self._decode_forward = fn
 
     # -- forwards ---------------------------------------------------------------------------------------
     def _mask(self, pos: torch.Tensor) -> torch.Tensor:

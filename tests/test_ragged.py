@@ -116,6 +116,7 @@ def test_emulated_capture_matches_eager_ragged(built, strategy, layers, dispatch
         assert not calls and cap.stats()["graphs"] == graphs  # joins, leaves and shrinking: no re-capture
         replays = sum(e.replays for e in cap.runner.entries.values())
         assert replays >= len(eng.step_rows)  # graphs actually served the steps
+        assert cap.stats()["layer_fallbacks"] == 0
         cap.unwrap()
     finally:
         detach(model)
@@ -166,3 +167,15 @@ def test_sliding_window_model_refused():
     model = build_model("mixtral_tiny_swa", dtype="fp32", device="cpu").model
     with pytest.raises(ValueError, match="does not support sliding-window attention"):
         RaggedEngine(model, L, 2)
+
+
+def test_fused_kernels_refused(built):
+    model, _, _ = built
+    attach(model, make_dispatcher("dropless"), max_rows=2)
+    try:
+        eng = RaggedEngine(model, L, 2)
+        with pytest.raises(ValueError, match="kernels=fused is not supported by ragged decode"):
+            Capture(eng, "full", buckets=[1, 2], backend="emulate", kernels="fused", kernel_backend="torch").apply()
+        assert eng.decode_forward is None
+    finally:
+        detach(model)
