@@ -14,8 +14,9 @@ recomputes both on replay. transformers 5.24's masking_utils returns a 4D mask a
 early exit) and every family here only reads cache.get_seq_length() when position_ids is None; sdpa takes the
 boolean mask, eager attention an additive one (built to match config._attn_implementation).
 
-Sliding-window models are refused: Mixtral and Qwen3-MoE would take one windowed mask, but Qwen2-MoE picks a mask
-per layer type, and that is not built here.
+Sliding windows (on the linear cache, as RowCache): Mixtral and Qwen3-MoE slide every layer by one window, so one
+windowed 4D mask serves all layers; Qwen2-MoE (and GPT-OSS) accept a {layer type: mask} dict and pick each layer's
+mask by config.layer_types, so ragged decode passes that dict. Anything else is refused (ragged_windows).
 
 Slots: requests join with `add` (an eager one-row prefill into a free slot: positions 0..S-1, then lengths[r] = S)
 and leave with `remove` (the last live row moves into the freed slot: K/V rows, length and current token), so the
@@ -116,17 +117,25 @@ class RaggedCache:
         self.lengths[dst] = self.lengths[src]
 
 
-def check_ragged_supported(model) -> None:
+def ragged_windows(model):
+    """How the 4D mask carries sliding windows -> (kind, window): ("none", 0) one causal mask; ("all", w) one mask
+    windowed to w for every layer; ("layer_types", w) a {layer type: mask} dict (Qwen2-MoE and GPT-OSS take one
+    and pick each layer's mask by config.layer_types). Refuses what a 4D mask cannot express."""
     config = model.config
-    windows = adapter_for(model).attention_windows(config)
-    if any(w for w in windows):
-        raise ValueError(f"ragged decode does not support sliding-window attention (layer windows {windows}): one "
-                         "4D mask per step cannot give Qwen2-MoE's per-layer windows and none is built here; use "
-                         "DecodeEngine, or a config without sliding_window")
+    adapter = adapter_for(model)
+    windows = adapter.attention_windows(config)
     impl = config._attn_implementation
     if impl not in ("sdpa", "eager"):
         raise ValueError(f"ragged decode builds its own 4D attention mask: attn_implementation={impl!r} is not "
                          "supported (use sdpa or eager)")
+    if not any(windows):
+        return "none", 0
+    if all(w == windows[0] for w in windows):
+        return "all", windows[0]
+    if adapter.windows == "layer_types" and len({w for w in windows if w}) == 1:
+        return "layer_types", max(windows)
+    raise ValueError(f"ragged decode does not support these sliding windows per layer ({windows}): "
+                     f"{adapter.family}'s model takes one attention mask for every layer")
 
 
 class RaggedEngine(DecodeEngine):
@@ -143,7 +152,7 @@ class RaggedEngine(DecodeEngine):
         self.device, self.dtype = p.device, p.dtype
         self.max_cache_len, self.max_rows = max_cache_len, max_rows
         adapter_for(model).check_supported(model.config, "hf")
-        check_ragged_supported(model)
+        self._windows = ragged_windows(model)
         self.cache = RaggedCache(model.config, max_rows, max_cache_len, self.device, self.dtype)
         self.ids = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] current tokens
         self.live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] 1: a live row
@@ -172,9 +181,23 @@ class RaggedEngine(DecodeEngine):
         self._decode_forward = fn
 
     # -- forwards ---------------------------------------------------------------------------------------
-    def _mask(self, pos: torch.Tensor) -> torch.Tensor:
-        """pos [B, S] absolute positions -> [B, 1, S, L] mask: a row's query sees slots <= its position."""
-        m = (self._slots_ar[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, L]
+    def _mask(self, pos: torch.Tensor):
+        """pos [B, S] absolute positions -> [B, 1, S, L] mask: a row's query at p sees slots k <= p (and, in a
+        sliding layer of window w, k > p - w: HF's sliding_window_causal_mask_function); a dict per layer type
+        where layers differ."""
+        slots, p = self._slots_ar[None, None, :], pos[:, :, None]  # [1, 1, L], [B, S, 1]
+        causal = slots <= p  # [B, S, L]
+        kind, w = self._windows
+        if kind == "none":
+            return self._form(causal)
+        windowed = self._form(causal & (slots > p - w))
+        if kind == "all":
+            return windowed
+        return {"full_attention": self._form(causal), "sliding_attention": windowed}
+
+    def _form(self, m: torch.Tensor) -> torch.Tensor:
+        """[B, S, L] bool -> [B, 1, S, L]: bool for sdpa, additive for eager attention."""
+        m = m[:, None]
         if self._additive:
             m = torch.zeros(m.shape, dtype=self.dtype, device=self.device).masked_fill_(~m, torch.finfo(self.dtype).min)
         return m

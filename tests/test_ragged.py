@@ -11,6 +11,7 @@ from moecg.capture.graph import GraphRunner
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import CacheOverflowError, DecodeEngine
 from moecg.models import build_model
+from moecg.models.zoo import SLIDING_PRESETS
 from moecg.ragged import RaggedEngine
 
 PRESETS = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny"]
@@ -163,10 +164,36 @@ def test_overflow_and_unsupported_refused(built):
         detach(model)
 
 
-def test_sliding_window_model_refused():
-    model = build_model("mixtral_tiny_swa", dtype="fp32", device="cpu").model
-    with pytest.raises(ValueError, match="does not support sliding-window attention"):
-        RaggedEngine(model, L, 2)
+@pytest.mark.parametrize("preset", SLIDING_PRESETS)
+def test_sliding_windows_match_each_request_alone(preset):
+    """Windows of 6 (Qwen2-MoE: layer 0 only, a per-layer-type mask dict) below the positions reached (up to 21)."""
+    model = build_model(preset, dtype="fp32", device="cpu").model
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (s,), generator=g) for s in PROMPT_LENS]
+    attach(model, make_dispatcher("dropless"), max_rows=4)
+    try:
+        alone = [DecodeEngine(model, L, 1).generate(p[None], n, keep_logits=True, timing=False)
+                 for p, n in zip(prompts, NEW)]
+        for strategy in ("eager", "full", "layer"):
+            eng = RaggedEngine(model, L, 4)
+            if strategy != "eager":
+                Capture(eng, strategy, buckets=[1, 2, 4], backend="emulate").apply()
+            done, logits = _run(eng, prompts)
+            _check_alone(done, logits, alone)
+    finally:
+        detach(model)
+
+
+def test_unsupported_attention_refused(built):
+    model, _, _ = built
+    impl = model.config._attn_implementation
+    try:
+        model.config._attn_implementation = "flex_attention"
+        with pytest.raises(ValueError, match="attn_implementation='flex_attention' is not supported"):
+            RaggedEngine(model, L, 2)
+    finally:
+        model.config._attn_implementation = impl
+    assert model.config._attn_implementation == impl
 
 
 def test_fused_kernels_refused(built):
@@ -177,5 +204,21 @@ def test_fused_kernels_refused(built):
         with pytest.raises(ValueError, match="kernels=fused is not supported by ragged decode"):
             Capture(eng, "full", buckets=[1, 2], backend="emulate", kernels="fused", kernel_backend="torch").apply()
         assert eng.decode_forward is None
+    finally:
+        detach(model)
+
+
+def test_eager_attention_takes_the_additive_mask():
+    model = build_model("qwen3_moe_tiny_swa", dtype="fp32", device="cpu", attn_implementation="eager").model
+    assert model.config._attn_implementation == "eager"
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (s,), generator=g) for s in PROMPT_LENS]
+    attach(model, make_dispatcher("dropless"), max_rows=4)
+    try:
+        alone = [DecodeEngine(model, L, 1).generate(p[None], n, keep_logits=True, timing=False)
+                 for p, n in zip(prompts, NEW)]
+        eng = RaggedEngine(model, L, 4)
+        assert eng._mask(eng.cache.lengths[:2, None]).dtype == torch.float32
+        _check_alone(*_run(eng, prompts), alone)
     finally:
         detach(model)
