@@ -11,7 +11,8 @@ once per step by the engine, not per layer.
 The engine hands the HF model its own `position_ids` (lengths[:B, None]) and a 4D attention mask
 [B, 1, S, L] = (slot <= position) built on the device from `lengths` inside the step, so a captured step
 recomputes both on replay. transformers 5.24's masking_utils returns a 4D mask as is (_preprocess_mask_arguments'
-early exit) and every family here only reads cache.get_seq_length() when position_ids is None; sdpa takes the
+early exit) and every family here (the three originals and the five newer ones, tests/test_ragged.py) only reads
+cache.get_seq_length() when position_ids is None; sdpa takes the
 boolean mask, eager attention an additive one (built to match config._attn_implementation).
 
 Sliding windows (on the linear cache, as RowCache): Mixtral and Qwen3-MoE slide every layer by one window, so one
