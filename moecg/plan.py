@@ -16,13 +16,11 @@ from pathlib import Path
 import torch
 
 from moecg.capture.buckets import bucket_for, validate_buckets
-from moecg.capture.plan import StrategyError, StrategySpec, validate
+from moecg.capture.plan import COMPILE_MODES, KERNELS, StrategyError, StrategySpec, validate, validate_capture
 from moecg.dispatch import REGISTRY, Dispatcher, make_dispatcher
 
-KERNELS = ("hf", "fused")
 BACKENDS = ("auto", "cuda", "emulate", "none")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 PROMPTS = ("random", "heldout", "file")
 MEMORY_HEADROOM = 0.85  # refuse a run whose estimate exceeds this share of the memory available now
 
@@ -206,14 +204,12 @@ def resolve_plan(cfg) -> RunPlan:
     kernel_backend = _choice(c.kernel_backend, "capture.kernel_backend", KERNEL_BACKENDS)
     if kernels == "hf" and kernel_backend != "auto":
         raise PlanError(f"capture.kernel_backend={kernel_backend} only applies with capture.kernels=fused")
-    if kernels == "fused":
-        if spec.scope not in ("step", "eager"):
-            raise PlanError(f"capture.kernels=fused replaces the whole decoder stack at decode, so it combines with "
-                            f"strategy=full, capacity or eager, not strategy={spec.name}: use capture.kernels=hf")
-        if compile_:
-            raise PlanError("capture.kernels=fused and capture.compile=true exclude each other: pick one")
-        if kernel_backend == "triton" and device.type != "cuda":
-            raise PlanError("capture.kernel_backend=triton needs CUDA: use capture.kernel_backend=auto on CPU")
+    try:
+        validate_capture(spec, kernels, compile_, compile_mode)  # the same check Capture makes
+    except StrategyError as e:
+        raise PlanError(str(e)) from None
+    if kernels == "fused" and kernel_backend == "triton" and device.type != "cuda":
+        raise PlanError("capture.kernel_backend=triton needs CUDA: use capture.kernel_backend=auto on CPU")
     if spec.scope == "eager" and compile_:
         raise PlanError("capture.compile=true compiles the captured pieces, and strategy=eager captures none: "
                         "pick a graph strategy or drop capture.compile")

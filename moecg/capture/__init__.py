@@ -14,7 +14,8 @@ import torch
 from moecg.capture.buckets import DEFAULT_BUCKETS, bucket_for, validate_buckets
 from moecg.capture.graph import GraphRunner, make_backend
 from moecg.capture.layer import LayerGraphs
-from moecg.capture.plan import STRATEGIES, StrategyError, StrategySpec, parse_layers, resolve, validate
+from moecg.capture.plan import (STRATEGIES, StrategyError, StrategySpec, parse_layers, resolve, validate,
+                                validate_capture)
 from moecg.dispatch import state_of
 
 __all__ = ["Capture", "CaptureError", "STRATEGIES", "StrategyError", "StrategySpec", "DEFAULT_BUCKETS",
@@ -29,9 +30,6 @@ _FIXES = (
     "A failed capture can leave the CUDA context unusable (later CUDA RNG calls fail with 'Offset increment "
     "outside graph capture'): restart the process before trying again."
 )
-
-
-KERNELS = ("hf", "fused")
 
 
 class CaptureError(RuntimeError):
@@ -60,24 +58,13 @@ class Capture:
             warnings.warn(f"CUDA graphs are unavailable on {engine.device.type}: strategy={strategy} runs eagerly "
                           "with the same dispatch (captured: false); drop counts are still real", stacklevel=2)
         self.runner = GraphRunner(self.backend, warmup) if self.backend is not None else None
-        # Inductor-compiled pieces (fused kernels, no cudagraphs of its own) that moecg's graphs then capture.
-        self.compile, self.compile_mode = bool(compile), compile_mode
-        if self.compile and compile_mode not in ("default", "max-autotune-no-cudagraphs"):
-            raise StrategyError(f"capture.compile_mode={compile_mode!r}: use default or max-autotune-no-cudagraphs "
-                                "(reduce-overhead and max-autotune add Inductor's own CUDA graphs; moecg captures "
-                                "the compiled code itself)")
+        # Inductor-compiled pieces (fused kernels, no cudagraphs of its own) that moecg's graphs then capture;
         # kernels=fused: decode steps run moecg.fast.FastDecode (fused kernels) instead of HF's modules
-        if kernels not in KERNELS:
-            raise StrategyError(f"capture.kernels={kernels!r}: choose one of {KERNELS}")
+        validate_capture(self.spec, kernels, bool(compile), compile_mode)
+        self.compile, self.compile_mode = bool(compile), compile_mode
         self.kernels = kernels
         self.fast = None
         if kernels == "fused":
-            if self.spec.scope not in ("step", "eager"):
-                raise StrategyError(f"capture.kernels=fused replaces the whole decoder stack at decode, so it combines "
-                                    f"with strategy=full, capacity or eager, not strategy={strategy} (per-layer "
-                                    "graphs wrap HF's decoder layers): use capture.kernels=hf for that strategy")
-            if self.compile:
-                raise StrategyError("capture.kernels=fused and capture.compile=true exclude each other: pick one")
             from moecg.fast import FastDecode
 
             self.fast = FastDecode(model, kernel_backend)  # checks the model first, before any CUDA work

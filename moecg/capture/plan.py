@@ -90,3 +90,26 @@ def validate(name: str, dispatcher, num_layers: int, layers: str | None = None):
             f" (layers {[i for i, s in enumerate(scopes) if s == 'layer']} capture their MoE)"
         raise StrategyError(NOT_GRAPH_SAFE.format(d=dispatcher.name) + where)
     return spec, scopes
+
+
+from moecg.models.adapter import KERNELS  # noqa: E402  (hf | fused: one definition, beside the audit per path)
+
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def validate_capture(spec: StrategySpec, kernels: str, compile: bool, compile_mode: str) -> None:
+    """Check capture.kernels / capture.compile against the strategy before any CUDA work (the run plan and Capture
+    both call this one function)."""
+    if compile and compile_mode not in COMPILE_MODES:
+        raise StrategyError(f"capture.compile_mode={compile_mode!r}: use default or max-autotune-no-cudagraphs "
+                            "(reduce-overhead and max-autotune add Inductor's own CUDA graphs; moecg captures "
+                            "the compiled code itself)")
+    if kernels not in KERNELS:
+        raise StrategyError(f"capture.kernels={kernels!r}: choose one of {KERNELS}")
+    if kernels == "fused":
+        if spec.scope not in ("step", "eager"):
+            raise StrategyError(f"capture.kernels=fused replaces the whole decoder stack at decode, so it combines "
+                                f"with strategy=full, capacity or eager, not strategy={spec.name} (per-layer "
+                                "graphs wrap HF's decoder layers): use capture.kernels=hf for that strategy")
+        if compile:
+            raise StrategyError("capture.kernels=fused and capture.compile=true exclude each other: pick one")
