@@ -121,7 +121,7 @@ def _run(plan: RunPlan, progress, phases: Phases) -> dict:
     attach(model, dispatcher, max_rows=rows).prefill_dispatcher = plan.prefill_dispatcher
     engine = DecodeEngine(model, plan.max_cache_len, rows)
     eager_steps = None
-    if m.eager_baseline and plan.strategy.scope != "eager":
+    if plan.needs_baseline:
         with phases("baseline", f"strategy=eager with dispatch={dispatcher.name}, {m.repeats} timed repeats"):
             eager_steps, _ = _timed_generate(engine, plan, phases, steps_left=left - per_pass)
             left -= (m.repeats + 1) * per_pass
@@ -151,9 +151,9 @@ def _run(plan: RunPlan, progress, phases: Phases) -> dict:
                                  plan.prompt_len + plan.new_tokens // 2, dispatcher.reads_all_experts)
     stats = cap.stats()
     p50 = statistics.median(steps) if steps else float("nan")
-    eager_p50 = statistics.median(eager_steps) if eager_steps else (p50 if plan.strategy.scope == "eager" else None)
     # no graphs and HF's modules: the run executed the baseline's own code path, a ratio would only measure noise
     same_path = not stats["captured"] and plan.kernels == "hf" and not plan.compile
+    eager_p50 = statistics.median(eager_steps) if eager_steps else (p50 if same_path else None)
     spreads = [s for s in (_spread(steps), _spread(eager_steps)) if s is not None]
     spread = max(spreads) if spreads else None
     rows_run = engine.rows_for(B)

@@ -118,6 +118,7 @@ class RunPlan:
     kernels: str = "hf"
     kernel_backend: str = "auto"
     measure: MeasurePlan | None = None
+    needs_baseline: bool = False  # time strategy=eager on HF's modules (same dispatch) for speedup_vs_eager
     memory_bytes: int = 0  # estimate: weights + KV caches + the largest transient
     decode_steps: int = 0  # decode steps the whole run executes (every repeat, baseline and fidelity pass)
 
@@ -232,7 +233,9 @@ def resolve_plan(cfg) -> RunPlan:
     except PromptError as e:
         raise PlanError(str(e)) from None
 
-    passes = (measure.repeats + 1) * (2 if measure.eager_baseline and spec.scope != "eager" else 1) \
+    # the eager baseline (HF modules, same dispatch) is timed unless the run itself is that path
+    needs_baseline = measure.eager_baseline and (spec.scope != "eager" or kernels != "hf")
+    passes = (measure.repeats + 1) * (2 if needs_baseline else 1) \
         + (3 if measure.fidelity else 0) + 1
     plan = RunPlan(
         model=model, device=device, dtype=dtype, strategy=spec, strategy_layers=layers_spec,
@@ -241,7 +244,8 @@ def resolve_plan(cfg) -> RunPlan:
         prompt_len=prompt_len, new_tokens=new_tokens, max_cache_len=max_cache_len, seed=seed,
         prompts_kind=prompts_kind, prompts=prompts, capture_backend=backend, captures=captures, warmup=warmup,
         compile=compile_, compile_mode=compile_mode, kernels=kernels, kernel_backend=kernel_backend,
-        measure=measure, memory_bytes=0, decode_steps=passes * max(new_tokens - 1, 1),
+        measure=measure, needs_baseline=needs_baseline, memory_bytes=0,
+        decode_steps=passes * max(new_tokens - 1, 1),
     )
     need = estimate_memory(plan)
     object.__setattr__(plan, "memory_bytes", need)
