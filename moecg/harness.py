@@ -35,14 +35,12 @@ class Phases:
 
     def __init__(self, out=None):
         self.out = out if out is not None else sys.stdout
-        self.current = "plan"
 
     def say(self, msg: str) -> None:
         print(f"moecg: {msg}", file=self.out, flush=True)
 
     @contextmanager
     def __call__(self, name: str, what: str):
-        self.current = name
         self.say(f"[{name}] {what} ...")
         t0 = time.perf_counter()
         try:
@@ -85,13 +83,17 @@ def _spread(steps) -> float | None:
 def run_experiment(cfg_or_plan, progress=None, phases: Phases | None = None) -> dict:
     """Run one configuration end to end; returns the flat results record (see README 'Results schema')."""
     phases = phases or Phases()
-    if isinstance(cfg_or_plan, RunPlan):
-        plan = cfg_or_plan
-    else:
-        with phases("plan", "resolving and validating the config (no CUDA work)"):
-            plan = resolve_plan(cfg_or_plan)
+    plan = plan_of(cfg_or_plan, phases)
     phases.say(f"plan: {plan.describe()}")
     return _run(plan, progress, phases)
+
+
+def plan_of(cfg_or_plan, phases: Phases) -> RunPlan:
+    """The run plan, resolved (as phase `plan`) unless one is given: read nothing from a raw config before this."""
+    if isinstance(cfg_or_plan, RunPlan):
+        return cfg_or_plan
+    with phases("plan", "resolving and validating the config (no CUDA work)"):
+        return resolve_plan(cfg_or_plan)
 
 
 def _run(plan: RunPlan, progress, phases: Phases) -> dict:

@@ -74,11 +74,13 @@ def main(cfg: DictConfig) -> None:
 def _run_with_progress(cfg) -> dict:
     from rich.progress import Progress
 
-    from moecg.harness import run_experiment
+    from moecg.harness import Phases, plan_of, run_experiment
 
+    phases = Phases()
+    plan = plan_of(cfg, phases)  # validated first: the bar's total is read from the plan, not the raw config
     with Progress(transient=True) as bar:
-        task = bar.add_task("decode (timed repeats)", total=int(cfg.measure.repeats) * max(cfg.new_tokens - 1, 1))
-        return run_experiment(cfg, progress=lambda: bar.advance(task))
+        task = bar.add_task("decode (timed repeats)", total=plan.measure.repeats * max(plan.new_tokens - 1, 1))
+        return run_experiment(plan, progress=lambda: bar.advance(task), phases=phases)
 
 
 def _record_failure(cfg, e: BaseException, results_path: Path) -> None:

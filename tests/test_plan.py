@@ -124,7 +124,8 @@ def test_fp32_grouped_mm_fallback_that_cannot_fit_is_refused():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("override,key", [
-    ("batch_size=2.5", "batch_size"), ("measure.repeats=0", "measure.repeats"), ("model.router_skew=abc", "model.router_skew"),
+    ("batch_size=2.5", "batch_size"), ("measure.repeats=0", "measure.repeats"), ("measure.repeats=abc", "measure.repeats"),
+    ("new_tokens=abc", "new_tokens"), ("model.router_skew=abc", "model.router_skew"),
     ("seed=abc", "seed"), ("model.pretrained_path=/no/such/dir", "model.pretrained_path"),
     ("new_tokens=100000", "new_tokens"), ("+dispatch.capacity_factor=0", "dispatch.capacity_factor"),
 ])
