@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 13 on one H200: the fused-step GPU tests for every family, then bench_vs_compile per new real shape at bs 1
+# and 8 (HF-module strategies for the MLA families, whose fused step is refused).
+#   bash experiments/h200_issue13.sh OUTDIR [tests|bench|all]
+set -u -o pipefail
+OUT=${1:-experiments/results/h200/issue13}
+WHAT=${2:-all}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
+  timeout 150 python3 -m pytest -q -s -m gpu tests/test_fast_gpu.py 2>&1 | tee "$OUT/gpu_fast_tests.log" \
+    | grep -E "passed|failed|error|FAILED" | tail -20
+fi
+bench() {  # name preset layers strategies...
+  local name=$1 preset=$2 layers=$3; shift 3
+  timeout ${BENCH_TIMEOUT:-170} python3 experiments/bench_vs_compile.py --preset "$preset" --num-layers "$layers" \
+    --batch 1 8 --strategies "$@" --out "$OUT/vs_compile_$name.md" --json "$OUT/vs_compile_$name.json" \
+    > "$OUT/vs_compile_$name.log" 2>&1 || echo "bench $name exited $?"
+  tail -4 "$OUT/vs_compile_$name.log"
+}
+if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+  HF="partial full capacity"
+  FUSED="partial full capacity full+fused capacity+fused"
+  bench glm4_5_air glm4_5_air 8 $FUSED
+  bench olmoe_1b_7b olmoe_1b_7b 16 $FUSED
+  bench gpt_oss_20b gpt_oss_20b 24 $FUSED
+  bench deepseek_v2_lite deepseek_v2_lite 27 $HF
+  bench deepseek_v3 deepseek_v3 5 $HF
+fi
