@@ -16,7 +16,7 @@ bench() {  # name preset layers strategies...
   local name=$1 preset=$2 layers=$3; shift 3
   [[ "$NAMES" == *" $name "* ]] || return 0
   timeout ${BENCH_TIMEOUT:-170} python3 experiments/bench_vs_compile.py --preset "$preset" --num-layers "$layers" \
-    --batch 1 8 --strategies "$@" --out "$OUT/vs_compile_$name.md" --json "$OUT/vs_compile_$name.json" \
+    --batch 1 8 ${BENCH_ARGS:-} --strategies "$@" --out "$OUT/vs_compile_$name.md" --json "$OUT/vs_compile_$name.json" \
     > "$OUT/vs_compile_$name.log" 2>&1 || echo "bench $name exited $?"
   tail -4 "$OUT/vs_compile_$name.log"
 }
@@ -25,7 +25,10 @@ if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   FUSED="partial full capacity full+fused capacity+fused"
   bench glm4_5_air glm4_5_air 8 $FUSED
   bench olmoe_1b_7b olmoe_1b_7b 16 $FUSED
-  bench gpt_oss_20b gpt_oss_20b 24 $FUSED
-  bench deepseek_v2_lite deepseek_v2_lite 27 $HF
+  bench gpt_oss_20b gpt_oss_20b ${GPT_OSS_LAYERS:-24} $FUSED
+  bench deepseek_v2_lite deepseek_v2_lite ${V2_LITE_LAYERS:-27} $HF
   bench deepseek_v3 deepseek_v3 5 $HF
+fi
+if [ "$WHAT" = diag ]; then
+  timeout 60 python3 experiments/diag_rope_gpu.py 2>&1 | tee "$OUT/diag_rope.log"
 fi
