@@ -3,7 +3,7 @@ JSONs record their --out/--json arguments).
 
     python experiments/strip_paths.py experiments/results      # rewrites files in place, prints what changed
 
-The repository root becomes `.`; any other absolute path under /root, /tmp, /work or /home keeps only its last
+The repository root becomes `.`; any other absolute path under /root, /tmp, /work, /home or /opt keeps only its last
 component (`<abs>/name`), so a reader still sees which file was meant.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = str(Path(__file__).resolve().parent.parent)
-OTHER = re.compile(r"/(?:root|tmp|work|home)(?:/[^\s\"',:\]\}]+)+")
+OTHER = re.compile(r"/(?:root|tmp|work|home|opt)(?:/[^\s\"',:\]\}]+)+")
 TEXT = {".json", ".yaml", ".yml", ".md", ".log", ".txt", ".csv"}
 
 
