@@ -128,7 +128,13 @@ def check_supported(model) -> None:
 
 
 class FastDecode:
-    """Callable with the model forward's decode signature: (input_ids [B,1], cache, ...) -> .logits [B, 1, V]."""
+    """Callable with the model forward's decode signature: (input_ids [B,1], cache, ...) -> .logits [B, 1, V].
+
+    per_row_positions: on a cache whose layers carry per-row `lengths` (moecg.ragged.RaggedLayer) every row decodes
+    at its own position (rotary, K/V slot, attention span and window); masks are the kernels' own, so a caller
+    passes none."""
+
+    per_row_positions = True
 
     def __init__(self, model, backend: str = "auto"):
         check_supported(model)
@@ -295,7 +301,10 @@ class FastDecode:
         if input_ids.shape[1] != 1:
             raise ValueError("FastDecode runs decode steps (one token per row); the prefill runs the HF model")
         clayers = cache.layers
-        pos = clayers[0].cumulative_length  # device scalar: every layer is at the same position
+        # per-row lengths [B] (moecg.ragged.RaggedLayer: each row at its own position, advanced by its engine), else
+        # HF's one device counter per layer (every layer and row at the same position, advanced here)
+        rows_pos = getattr(clayers[0], "lengths", None)
+        pos = rows_pos[:T] if rows_pos is not None else clayers[0].cumulative_length
         cos, sin = self._rope_tables(clayers)
         state = state_of(self.model)
         valid = state.token_valid(T) if state is not None else None
@@ -341,5 +350,6 @@ class FastDecode:
             slot += 1
             res, h = ops.add_rmsnorm(y, res, nw, neps, shared, gate, cast_last=cl)
         logits = F.linear(h, self.lm_head)  # [T, V]
-        torch._foreach_add_([c.cumulative_length for c in clayers], 1)
+        if rows_pos is None:
+            torch._foreach_add_([c.cumulative_length for c in clayers], 1)
         return SimpleNamespace(logits=logits[:, None, :])

@@ -175,10 +175,7 @@ class RaggedEngine(DecodeEngine):
 
     @decode_forward.setter
     def decode_forward(self, fn):
-        # the fused step (moecg.fast) computes attention from its own single position counter: not per row
-        if type(fn).__name__ == "FastDecode":
-            raise ValueError("capture.kernels=fused is not supported by ragged decode: the fused step has one "
-                             "position for every row; use capture.kernels=hf")
+        # the fused step (moecg.fast.FastDecode, per_row_positions) reads each row's position from RaggedLayer.lengths
         self._decode_forward = fn
 
     # -- forwards ---------------------------------------------------------------------------------------
@@ -209,7 +206,9 @@ class RaggedEngine(DecodeEngine):
         S = ids.shape[1]
         pos = lengths[:, None] + torch.arange(S, device=self.device)  # [B, S]
         call = self.decode_forward if decode and self.decode_forward is not None else self.model
-        out = call(input_ids=ids, attention_mask=self._mask(pos), position_ids=pos, cache=cache, use_cache=True,
+        # the fused step reads each row's position from the cache and masks in its kernels: no 4D mask to build
+        mask = None if getattr(call, "per_row_positions", False) else self._mask(pos)
+        out = call(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                    logits_to_keep=1, output_router_logits=False)
         return out.logits[:, -1]
 

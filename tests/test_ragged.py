@@ -196,19 +196,6 @@ def test_unsupported_attention_refused(built):
     assert model.config._attn_implementation == impl
 
 
-def test_fused_kernels_refused(built):
-    model, _, _ = built
-    attach(model, make_dispatcher("dropless"), max_rows=2)
-    try:
-        eng = RaggedEngine(model, L, 2)
-        # refused by ragged decode, or earlier by the fused step itself (MLA families)
-        with pytest.raises(ValueError, match="kernels=fused is not supported by ragged decode|capture.kernels=fused"):
-            Capture(eng, "full", buckets=[1, 2], backend="emulate", kernels="fused", kernel_backend="torch").apply()
-        assert eng.decode_forward is None
-    finally:
-        detach(model)
-
-
 def test_eager_attention_takes_the_additive_mask():
     model = build_model("qwen3_moe_tiny_swa", dtype="fp32", device="cpu", attn_implementation="eager").model
     assert model.config._attn_implementation == "eager"

@@ -58,7 +58,8 @@ def rotate_half(x):
 def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: int,
                q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None):
     """qkv [T, (Hq+2Hkv)*Dh] -> roped q [T, Hq, Dh]; roped k and v written into keys/values [T, Hkv, L, Dh] at
-    slot `pos` (a device scalar: no host sync).
+    slot `pos`: a device scalar (every row at one position) or [T] (each row at its own, moecg.ragged); no host
+    sync.
 
     cos/sin [L, R] tables in the model dtype (HF's rotate_half layout, both halves of the R rotary dims): R < Dh is
     partial rotary (GLM-4-MoE), the last Dh - R dims of each head pass through.
@@ -81,18 +82,21 @@ def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: 
     k = k.reshape(T, n_kv, head_dim)
     if clip is not None:
         q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
-    p = pos.reshape(1)
-    c, s = cos.index_select(0, p), sin.index_select(0, p)  # [1, R]
+    p = pos.reshape(-1)  # [1] (every row at one position) or [T] (each row at its own)
+    c, s = cos.index_select(0, p)[:, None], sin.index_select(0, p)[:, None]  # [1 or T, 1, R]
     r = c.shape[-1]
     q = torch.cat([(q[..., :r] * c) + (rotate_half(q[..., :r]) * s), q[..., r:]], dim=-1)
     k = torch.cat([(k[..., :r] * c) + (rotate_half(k[..., :r]) * s), k[..., r:]], dim=-1)
-    keys.index_copy_(2, p, k[:, :, None, :].to(keys.dtype))
-    values.index_copy_(2, p, v[:, :, None, :].to(values.dtype))
+    rows, p = torch.arange(T, device=qkv.device), p.expand(T)
+    # [T, L, H, Dh] views: row t's new key/value goes to slot p[t]
+    keys.transpose(1, 2).index_put_((rows, p), k.to(keys.dtype))
+    values.transpose(1, 2).index_put_((rows, p), v.to(values.dtype))
     return q
 
 
 def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None, eager: bool = False):
-    """q [T, Hq, Dh] against cache slots [0, pos] (the last `window` only, if window) -> [T, Hq*Dh].
+    """q [T, Hq, Dh] against cache slots [0, pos] (the last `window` only, if window) -> [T, Hq*Dh]; pos a device
+    scalar or [T] (each row's own position).
 
     sinks [Hq]: GPT-OSS's learned per-head logit, one more softmax column whose probability is dropped (it only
     enlarges the denominator).
@@ -106,9 +110,10 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     k = keys.repeat_interleave(g, dim=1)  # [T, Hq, L, Dh]
     v = values.repeat_interleave(g, dim=1)
     slots = torch.arange(L, device=q.device)
-    ok = slots <= pos
+    p = pos.reshape(-1, 1, 1, 1)  # [1 or T, 1, 1, 1]: one position for every row, or each row's own
+    ok = slots <= p  # [1 or T, 1, 1, L]
     if window:
-        ok = ok & (slots > pos - window)
+        ok = ok & (slots > p - window)
     if eager:  # transformers' eager_attention_forward (GPT-OSS's with sinks), op for op
         scores = torch.matmul(q[:, :, None, :], k.transpose(-1, -2)) * scaling  # [T, Hq, 1, L] model dtype
         scores = scores.masked_fill(~ok, float("-inf"))

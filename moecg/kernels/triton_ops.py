@@ -84,13 +84,13 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
 # the projection in each program: Hq*Dh elements, a few KB, re-read from L1/L2.
 @triton.jit(do_not_specialize=["T"])
 def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, q_ptr, qn_ptr, kn_ptr,
-                       T, eps, clip, s_qkv, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_qt, s_qh,
+                       T, eps, clip, s_pos, s_qkv, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_qt, s_qh,
                        HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, R: tl.constexpr,
                        HAS_QKN: tl.constexpr, NORM_FULL: tl.constexpr, HAS_CLIP: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): q heads, [HQ, HQ+HKV): k heads, then v heads
     d = tl.arange(0, DH)
-    pos = tl.load(pos_ptr)
+    pos = tl.load(pos_ptr + t * s_pos)  # s_pos 0: one position for every row; 1: each row's own
     dt = q_ptr.dtype.element_ty
     row = qkv_ptr + t * s_qkv
     x = tl.load(row + h * DH + d).to(tl.float32)
@@ -144,6 +144,14 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, q_ptr, 
         tl.store(dst + d, o)
 
 
+def _pos_stride(pos: torch.Tensor, T: int) -> int:
+    """A decode position: a device scalar (stride 0: every row at one position) or [T] (each row's own)."""
+    if pos.numel() == 1:
+        return 0
+    assert pos.shape == (T,) and pos.stride(0) == 1 and pos.dtype in (torch.int32, torch.int64), (pos.shape, T)
+    return 1
+
+
 def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: int,
                q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None):
     T = qkv.shape[0]
@@ -154,7 +162,7 @@ def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: 
     full = q_norm is not None and q_norm.numel() != head_dim
     _rope_cache_kernel[(T, n_q + 2 * n_kv)](
         qkv, pos, cos, sin, keys, values, q, q_norm if q_norm is not None else q,
-        k_norm if k_norm is not None else q, T, eps, float(clip or 0.0), qkv.stride(0),
+        k_norm if k_norm is not None else q, T, eps, float(clip or 0.0), _pos_stride(pos, T), qkv.stride(0),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         q.stride(0), q.stride(1), HQ=n_q, HKV=n_kv, DH=head_dim, R=R, HAS_QKN=q_norm is not None,
         NORM_FULL=full, HAS_CLIP=clip is not None, num_warps=1)
@@ -179,14 +187,14 @@ def _scores(q, k, scaling, dt: tl.constexpr, EAGER: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "chunk", "window"])
 def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
-                        T, scaling, window, chunk, s_qt, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ot,
+                        T, scaling, window, chunk, s_pos, s_qt, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ot,
                         G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BLOCK_L: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, EAGER: tl.constexpr,
                         TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr):
     t = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
-    pos = tl.load(pos_ptr)
+    pos = tl.load(pos_ptr + t * s_pos)  # s_pos 0: one position for every row; 1: each row's own
     n = pos + 1
     lo = tl.where(window > 0, tl.maximum(n - window, 0), 0)
     start = lo + sp * chunk
@@ -310,7 +318,8 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     sk = sinks if sinks is not None else o
     assert sinks is None or (sinks.is_contiguous() and sinks.numel() == Hq)
     _attn_decode_kernel[(T, Hkv, splits)](
-        q, keys, values, pos, sk, o, m, l_, acc, T, scaling, window, chunk, q.stride(0), q.stride(1),
+        q, keys, values, pos, sk, o, m, l_, acc, T, scaling, window, chunk, _pos_stride(pos, T), q.stride(0),
+        q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, HAS_SINK=sinks is not None, EAGER=eager,
         TWO_PASS=two_pass, SUB_ROUND=two_pass and sinks.dtype == q.dtype, num_warps=4)
