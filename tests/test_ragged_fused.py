@@ -113,3 +113,17 @@ def test_triton_ragged_kernels_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_ragged_cost_benchmark_smoke(tmp_path):
+    """experiments/bench_ragged_cost.py end to end on CPU (emulated capture): its table and rows are written."""
+    script = Path(__file__).parent.parent / "experiments" / "bench_ragged_cost.py"
+    out, js = tmp_path / "cost.md", tmp_path / "cost.json"
+    r = subprocess.run([sys.executable, str(script), "--preset", "qwen3_moe_tiny", "--device", "cpu", "--batch", "2",
+                        "--steps", "3", "--prompt-len", "8", "--cache-len", "64", "--repeats", "1", "--out", str(out),
+                        "--json", str(js)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+    row = json.loads(js.read_text())["rows"][0]
+    assert row["captured"] and row["final_lengths"] == [4 + 5 + 2 * 3, 12 + 5 + 2 * 3]  # prompt + warmup + both loops
+    assert "| 2 |" in out.read_text()
