@@ -294,14 +294,21 @@ def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, splits, G: 
              mask=(gi < G)[:, None])
 
 
-def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None, eager: bool = False):
+def attn_splits(T: int, Hkv: int, span: int) -> int:
+    """How many programs share one (row, kv head)'s context: enough programs to keep the SMs busy when rows x kv
+    heads are few, at least 64 slots each, at most 16."""
+    return max(1, min(128 // max(1, T * Hkv), span // 64, 16))
+
+
+def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None, eager: bool = False,
+                splits: int | None = None):
+    """splits: programs per (row, kv head) context (None: attn_splits' choice; benchmarks pass their own)."""
     T, Hq, Dh = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
     GP = max(16, _p2(G))
     span = min(L, window) if window else L
-    # enough programs to keep the SMs busy: split the context when rows x kv heads are few
-    splits = max(1, min(int(os.environ.get("MOECG_ATTN_SPLITS", 0)) or (128 // max(1, T * Hkv)), span // 64, 16))
+    splits = max(1, min(splits or attn_splits(T, Hkv, span), max(1, span // 64)))
     chunk = triton.cdiv(span, splits)
     chunk = triton.cdiv(chunk, 64) * 64
     splits = triton.cdiv(span, chunk)
