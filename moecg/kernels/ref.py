@@ -202,12 +202,13 @@ def expert_act(gu, spec=None):
 
 
 def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
-                down_bias=None):
+                down_bias=None, tiles=None):
     """Dropless routed experts, unreduced: [T, K, D] fp32, y[t, k] = w[t, k] * expert_{idx[t,k]}(x[t]).
 
     gate_up [E, 2I, D] and down [E, D, I] (spec.transposed: [E, D, 2I] and [E, I, D], GPT-OSS); biases [E, 2I] and
     [E, D] are added after each GEMM's rounding, as HF adds them. spec: see expert_act.
     Rows with valid False get zeros and are not counted. counters: a LayerCounters (routed, mass, tokens).
+    tiles: the Triton kernel's tile choice (moecg.kernels.tiles); no meaning here.
     """
     T, K = idx.shape
     transposed = spec is not None and spec.transposed
