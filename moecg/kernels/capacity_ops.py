@@ -31,6 +31,11 @@ from moecg.kernels.triton_ops import ExpertArgs, _down_tile, _p2, _up_tile
 BLOCK_T = 64  # tokens per ranking chunk: one chunk at every decode bucket up to 64
 
 
+def capacity_factor_bits(capacity_factor: float) -> int:
+    """The capacity factor's float64 bits as an int64 kernel argument (Triton passes a Python float as fp32)."""
+    return struct.unpack("<q", struct.pack("<d", float(capacity_factor)))[0]
+
+
 @triton.jit
 def _capacity(valid_ptr, T, E, cf_bits, min_cap, K: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_T: tl.constexpr):
     """-> (real tokens n, C of n): capacity_on_device's float64 ops in its order, so the same C for every n."""
@@ -77,12 +82,16 @@ def _ranks(idx_ptr, w_ptr, valid_ptr, e, t, T, K: tl.constexpr, KP: tl.constexpr
     """Tokens t [BLOCK_T] -> (hit, routed, s, weight, rank): rank among expert e's routed tokens, higher score
     first, equal scores to the earlier token (a stable descending sort's order)."""
     hit, routed, s, wt, score = _scores(idx_ptr, w_ptr, valid_ptr, e, t, T, K, KP, POSITION, HAS_VALID)
-    rank = tl.zeros([BLOCK_T], dtype=tl.int32)
-    for j0 in range(0, T, BLOCK_T):
-        tj = j0 + tl.arange(0, BLOCK_T)
-        _, rj, _, _, sj = _scores(idx_ptr, w_ptr, valid_ptr, e, tj, T, K, KP, POSITION, HAS_VALID)
-        before = (sj[None, :] > score[:, None]) | ((sj[None, :] == score[:, None]) & (tj[None, :] < t[:, None]))
-        rank += tl.sum((rj[None, :] & before).to(tl.int32), axis=1)  # [BLOCK_T, BLOCK_T] -> [BLOCK_T]
+    if T <= BLOCK_T:  # every decode bucket: the chunk is all the tokens, compare it with itself
+        before = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (t[None, :] < t[:, None]))
+        rank = tl.sum((routed[None, :] & before).to(tl.int32), axis=1)  # [BLOCK_T, BLOCK_T] -> [BLOCK_T]
+    else:
+        rank = tl.zeros([BLOCK_T], dtype=tl.int32)
+        for j0 in range(0, T, BLOCK_T):
+            tj = j0 + tl.arange(0, BLOCK_T)
+            _, rj, _, _, sj = _scores(idx_ptr, w_ptr, valid_ptr, e, tj, T, K, KP, POSITION, HAS_VALID)
+            before = (sj[None, :] > score[:, None]) | ((sj[None, :] == score[:, None]) & (tj[None, :] < t[:, None]))
+            rank += tl.sum((rj[None, :] & before).to(tl.int32), axis=1)
     return hit, routed, s, wt, rank
 
 
@@ -220,7 +229,7 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
     c = counters
     cnt = c is not None
     count_cap = cnt and c.capacity is not None
-    cf_bits = struct.unpack("<q", struct.pack("<d", float(capacity_factor)))[0]
+    bits = capacity_factor_bits(capacity_factor)
     v = valid if valid is not None else idx
     common = dict(K=K, KP=_p2(K), POSITION=drop_policy == "position", HAS_VALID=valid is not None, COUNT=cnt,
                   BLOCK_M=t.block_m, BLOCK_T=BLOCK_T, num_warps=t.warps, num_stages=t.stages)
@@ -228,14 +237,14 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
         x, idx, v, wc, gate_up, gate_up_bias if gate_up_bias is not None else h, h, y, keep,
         c.routed if cnt else h, c.dropped if cnt else h, c.routed_mass if cnt else h, c.dropped_mass if cnt else h,
         c.capacity if count_cap else h, c.calls if count_cap else h,
-        T, E, cf_bits, int(min_capacity), D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
+        T, E, bits, int(min_capacity), D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), y.stride(1), a.alpha, a.limit,
         COUNT_CAP=count_cap, JM=a.jm, JU=a.ju, HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_N=t.up_n, BLOCK_K=t.up_k, BLOCK_D=128, **common)
     _cap_down_kernel[(E, m_blocks, triton.cdiv(D, t.down_n))](
         h, idx, v, wc, down, down_bias if down_bias is not None else h, y, keep,
         c.tokens if cnt else h, c.lost_all if cnt else h,
-        T, E, cf_bits, int(min_capacity), D, inter, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
+        T, E, bits, int(min_capacity), D, inter, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1),
         RENORM=bool(renormalize), HAS_BIAS=down_bias is not None, BLOCK_N=t.down_n, BLOCK_K=t.down_k, **common)
     return y
