@@ -2,19 +2,21 @@
 the kernels, the expert GEMMs on the kept assignments. Reference: `moecg.kernels.ref.capacity_experts`.
 
 Dims: T tokens (rows run: a padded bucket), K top-k (KP: next power of two), S = T*K assignments, E experts,
-C slots per expert, D hidden, I expert intermediate.
-Two launches, grid (expert, slot block, column block) each, as the dropless kernels (triton_ops.moe_experts):
-  up:   every program ranks its expert's tokens itself (no sort, no prefix-sum kernel): under `probs` by combine
-        weight, equal weights to the earlier token (the dispatcher's stable sort), under `position` by token order;
-        the first `cap` keep slots, where cap is Megatron's capacity of the real (valid) tokens, computed in the
-        kernel from the row mask with capacity_on_device's float64 ops. Slot r of expert e is its rank-r token, so
-        a program's rows are the kept tokens of rank [mb*BLOCK_M, (mb+1)*BLOCK_M). Program (e, 0, 0) also writes
-        its assignments' keep flags, zeroes the output rows it drops (and pad rows), and adds its counters.
-  down: the same rows; the combine weight (renormalised over each token's kept assignments if asked, from the keep
-        flags); program (0, 0, 0) counts real tokens and the tokens that lost all K (every expert's keep flags).
-The slot-0 block of every expert runs even when nothing was kept: every expert's weights are read once per call,
-what capacity's padded GEMM costs (`reads_all_experts`, the floor counts all E). Extra slot blocks run only when
-their slots are filled. Ranking is T x T comparisons per program in BLOCK_T chunks: nothing at decode sizes.
+C slots per expert (the bucket's capacity: the buffers), D hidden, I expert intermediate.
+Three launches, no sort, no prefix-sum kernel, no host sync:
+  slots [E]:            each program ranks its expert's tokens: under `probs` by combine weight, equal weights to the
+                        earlier token (the dispatcher's stable sort), under `position` by token order. The first
+                        `cap` keep a slot (slot r = rank r), where cap is Megatron's capacity of the real (valid)
+                        tokens, computed in the kernel from the row mask with capacity_on_device's float64 ops.
+                        It writes the slot table [E, C], the kept count [E], a keep flag per assignment, zeroes the
+                        output rows it drops (and pad rows), and adds its expert's counters (and C applied, tokens).
+  up   [E, C/BM, I/BN]: the dropless kernels' GEMM tile (triton_ops._up_tile) on the slot table's rows; program
+                        (0, 0, 0) counts the tokens that lost all K (every expert's keep flags are written by then).
+  down [E, C/BM, D/BN]: triton_ops._down_tile, times the combine weight (renormalised over the token's kept
+                        assignments if asked, from the keep flags).
+The first slot block of every expert runs even when nothing was kept: every expert's weights are read once per call,
+what capacity's padded GEMM costs (`reads_all_experts`, so the floor counts all E). Further slot blocks run only when
+their slots are filled. Ranking is T x T comparisons per expert in BLOCK_T chunks: nothing at decode sizes.
 """
 from __future__ import annotations
 
@@ -95,68 +97,81 @@ def _ranks(idx_ptr, w_ptr, valid_ptr, e, t, T, K: tl.constexpr, KP: tl.constexpr
     return hit, routed, s, wt, rank
 
 
-@triton.jit
-def _kept_rows(idx_ptr, w_ptr, valid_ptr, e, mb, T, cap, K: tl.constexpr, KP: tl.constexpr,
-               POSITION: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
-    """-> (assignments expert e keeps, their ids in slots [mb*BLOCK_M, (mb+1)*BLOCK_M), row mask)."""
-    r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.zeros([BLOCK_M], dtype=tl.int32)
-    n_kept = 0
+@triton.jit(do_not_specialize=["T", "C", "cf_bits", "min_cap"])
+def _cap_slots_kernel(idx_ptr, valid_ptr, tw_ptr, slot_ptr, nk_ptr, keep_ptr, y_ptr,
+                      cnt_ptr, drop_ptr, mass_ptr, dmass_ptr, cap_ptr, calls_ptr, tok_ptr,
+                      T, E, C, cf_bits, min_cap, D, s_ys, K: tl.constexpr, KP: tl.constexpr, POSITION: tl.constexpr,
+                      HAS_VALID: tl.constexpr, COUNT: tl.constexpr, COUNT_CAP: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    e = tl.program_id(0)  # this expert's slots, flags and counters belong to this program alone: no atomics
+    n_valid, cap = _capacity(valid_ptr, T, E, cf_bits, min_cap, K, HAS_VALID, BLOCK_T)
+    n_r = tl.zeros([BLOCK_T], dtype=tl.int32)
+    n_d = tl.zeros([BLOCK_T], dtype=tl.int32)
+    m_r = tl.zeros([BLOCK_T], dtype=tl.float32)
+    m_d = tl.zeros([BLOCK_T], dtype=tl.float32)
     for i0 in range(0, T, BLOCK_T):
         t = i0 + tl.arange(0, BLOCK_T)
-        _, routed, s, _, rank = _ranks(idx_ptr, w_ptr, valid_ptr, e, t, T, K, KP, POSITION, HAS_VALID, BLOCK_T)
-        kept = routed & (rank < cap)
-        sel = kept[None, :] & (rank[None, :] == r[:, None])  # [BLOCK_M, BLOCK_T]
-        rows += tl.sum(tl.where(sel, s[None, :], 0), axis=1)
-        n_kept += tl.sum(kept.to(tl.int32), axis=0)
-    return n_kept, rows, r < n_kept
+        hit, routed, s, wt, rank = _ranks(idx_ptr, tw_ptr, valid_ptr, e, t, T, K, KP, POSITION, HAS_VALID, BLOCK_T)
+        kept = routed & (rank < cap)  # cap <= C: in the table
+        tl.store(slot_ptr + e * C + rank, s, mask=kept)
+        tl.store(keep_ptr + s, kept.to(tl.int8), mask=hit)
+        gone = hit & ~kept  # dropped, or a pad row: the down kernel never writes these rows
+        if tl.sum(gone.to(tl.int32), axis=0) > 0:
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + tl.arange(0, BLOCK_D)
+                tl.store(y_ptr + s[:, None] * s_ys + d[None, :], tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32),
+                         mask=gone[:, None] & (d < D)[None, :])
+        dropped = routed & ~kept
+        n_r += routed.to(tl.int32)
+        n_d += dropped.to(tl.int32)
+        m_r += tl.where(routed, wt, 0.0)
+        m_d += tl.where(dropped, wt, 0.0)
+    n_routed = tl.sum(n_r, axis=0)
+    tl.store(nk_ptr + e, tl.minimum(n_routed, cap))
+    if COUNT:
+        tl.store(cnt_ptr + e, tl.load(cnt_ptr + e) + n_routed)
+        tl.store(drop_ptr + e, tl.load(drop_ptr + e) + tl.sum(n_d, axis=0))
+        tl.store(mass_ptr + e, tl.load(mass_ptr + e) + tl.sum(m_r, axis=0))
+        tl.store(dmass_ptr + e, tl.load(dmass_ptr + e) + tl.sum(m_d, axis=0))
+        if e == 0:
+            tl.store(tok_ptr, tl.load(tok_ptr) + n_valid)
+            if COUNT_CAP:
+                tl.store(cap_ptr, tl.load(cap_ptr) + cap)
+                tl.store(calls_ptr, tl.load(calls_ptr) + 1)
 
 
-@triton.jit(do_not_specialize=["T", "cf_bits", "min_cap"])
-def _cap_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, y_ptr, keep_ptr,
-                   cnt_ptr, drop_ptr, mass_ptr, dmass_ptr, cap_ptr, calls_ptr,
-                   T, E, cf_bits, min_cap, D, I, s_xt, s_we, s_wj, s_wk, s_be, s_hs, s_ys, alpha, limit,
-                   K: tl.constexpr, KP: tl.constexpr, POSITION: tl.constexpr, HAS_VALID: tl.constexpr,
-                   COUNT: tl.constexpr, COUNT_CAP: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit
+def _slot_rows(slot_ptr, nk_ptr, e, mb, C, BLOCK_M: tl.constexpr):
+    """-> (assignments expert e keeps, the ids in its slots [mb*BLOCK_M, (mb+1)*BLOCK_M), row mask)."""
+    n_kept = tl.load(nk_ptr + e)
+    r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = r < n_kept
+    return n_kept, tl.load(slot_ptr + e * C + r, mask=rmask, other=0), rmask
+
+
+@triton.jit(do_not_specialize=["T", "C"])
+def _cap_up_kernel(x_ptr, valid_ptr, w_ptr, b_ptr, h_ptr, slot_ptr, nk_ptr, keep_ptr, lost_ptr,
+                   T, C, D, I, s_xt, s_we, s_wj, s_wk, s_be, s_hs, alpha, limit,
+                   K: tl.constexpr, KP: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr,
+                   JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
     e = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
-    _, cap = _capacity(valid_ptr, T, E, cf_bits, min_cap, K, HAS_VALID, BLOCK_T)
-    n_kept, rows, rmask = _kept_rows(idx_ptr, tw_ptr, valid_ptr, e, mb, T, cap, K, KP, POSITION, HAS_VALID,
-                                     BLOCK_M, BLOCK_T)
-    if (mb == 0) & (nb == 0):  # this expert's bookkeeping belongs to this program alone: no atomics
-        n_r = tl.zeros([BLOCK_T], dtype=tl.int32)
-        n_d = tl.zeros([BLOCK_T], dtype=tl.int32)
-        m_r = tl.zeros([BLOCK_T], dtype=tl.float32)
-        m_d = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for i0 in range(0, T, BLOCK_T):
-            t = i0 + tl.arange(0, BLOCK_T)
-            hit, routed, s, wt, rank = _ranks(idx_ptr, tw_ptr, valid_ptr, e, t, T, K, KP, POSITION, HAS_VALID,
-                                              BLOCK_T)
-            kept = routed & (rank < cap)
-            tl.store(keep_ptr + s, kept.to(tl.int8), mask=hit)
-            gone = hit & ~kept  # dropped, or a pad row: the down kernel never writes these rows
-            if tl.sum(gone.to(tl.int32), axis=0) > 0:
-                for d0 in range(0, D, BLOCK_D):
-                    d = d0 + tl.arange(0, BLOCK_D)
-                    tl.store(y_ptr + s[:, None] * s_ys + d[None, :],
-                             tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32), mask=gone[:, None] & (d < D)[None, :])
-            dropped = routed & ~kept
-            n_r += routed.to(tl.int32)
-            n_d += dropped.to(tl.int32)
-            m_r += tl.where(routed, wt, 0.0)
-            m_d += tl.where(dropped, wt, 0.0)
-        if COUNT:
-            tl.store(cnt_ptr + e, tl.load(cnt_ptr + e) + tl.sum(n_r, axis=0))
-            tl.store(drop_ptr + e, tl.load(drop_ptr + e) + tl.sum(n_d, axis=0))
-            tl.store(mass_ptr + e, tl.load(mass_ptr + e) + tl.sum(m_r, axis=0))
-            tl.store(dmass_ptr + e, tl.load(dmass_ptr + e) + tl.sum(m_d, axis=0))
-            if COUNT_CAP:
-                if e == 0:
-                    tl.store(cap_ptr, tl.load(cap_ptr) + cap)
-                    tl.store(calls_ptr, tl.load(calls_ptr) + 1)
+    if COUNT:
+        if (e == 0) & (mb == 0) & (nb == 0):  # every expert's keep flags are written (the slots kernel ran)
+            k = tl.arange(0, KP)
+            lost = tl.zeros([BLOCK_T], dtype=tl.int32)
+            for t0 in range(0, T, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                m = (t < T)[:, None] & (k < K)[None, :]
+                flags = tl.load(keep_ptr + t[:, None] * K + k[None, :], mask=m, other=0).to(tl.int32)
+                real = t < T
+                if HAS_VALID:
+                    real = real & (tl.load(valid_ptr + t, mask=t < T, other=0) != 0)
+                lost += (real & (tl.sum(flags, axis=1) == 0)).to(tl.int32)
+            tl.store(lost_ptr, tl.load(lost_ptr) + tl.sum(lost, axis=0))
+    n_kept, rows, rmask = _slot_rows(slot_ptr, nk_ptr, e, mb, C, BLOCK_M)
     # slot block 0 runs with no row kept too: every expert's weights once, as a padded GEMM reads them
     if (mb == 0) | (n_kept > mb * BLOCK_M):
         dt = h_ptr.dtype.element_ty
@@ -165,45 +180,27 @@ def _cap_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, y_ptr
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
-@triton.jit(do_not_specialize=["T", "cf_bits", "min_cap"])
-def _cap_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, keep_ptr, tok_ptr, lost_ptr,
-                     T, E, cf_bits, min_cap, D, I, s_hs, s_we, s_wn, s_wk, s_be, s_ys,
-                     K: tl.constexpr, KP: tl.constexpr, POSITION: tl.constexpr, HAS_VALID: tl.constexpr,
-                     COUNT: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+@triton.jit(do_not_specialize=["C"])
+def _cap_down_kernel(h_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, nk_ptr, keep_ptr,
+                     C, D, I, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, KP: tl.constexpr,
+                     RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     e = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
-    n_valid, cap = _capacity(valid_ptr, T, E, cf_bits, min_cap, K, HAS_VALID, BLOCK_T)
-    n_kept, rows, rmask = _kept_rows(idx_ptr, tw_ptr, valid_ptr, e, mb, T, cap, K, KP, POSITION, HAS_VALID,
-                                     BLOCK_M, BLOCK_T)
-    k = tl.arange(0, KP)
-    if COUNT:
-        if (e == 0) & (mb == 0) & (nb == 0):  # every expert's keep flags are written (the up kernel ran)
-            lost = tl.zeros([BLOCK_T], dtype=tl.int32)
-            for t0 in range(0, T, BLOCK_T):
-                t = t0 + tl.arange(0, BLOCK_T)
-                m = (t < T)[:, None] & (k < K)[None, :]
-                kept_any = tl.sum(tl.load(keep_ptr + t[:, None] * K + k[None, :], mask=m, other=0).to(tl.int32),
-                                  axis=1) > 0
-                real = t < T
-                if HAS_VALID:
-                    real = real & (tl.load(valid_ptr + t, mask=t < T, other=0) != 0)
-                lost += (real & ~kept_any).to(tl.int32)
-            tl.store(tok_ptr, tl.load(tok_ptr) + n_valid)
-            tl.store(lost_ptr, tl.load(lost_ptr) + tl.sum(lost, axis=0))
+    n_kept, rows, rmask = _slot_rows(slot_ptr, nk_ptr, e, mb, C, BLOCK_M)
     if (mb == 0) | (n_kept > mb * BLOCK_M):
         o, n, nm = _down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
                               h_ptr.dtype.element_ty, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)
         tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        if RENORM:  # the token's weight total over its kept assignments: theirs, from the keep flags
+        if RENORM:  # rescaled to the token's original total over its kept assignments, from the keep flags
+            k = tl.arange(0, KP)
             a = (rows // K)[:, None] * K + k[None, :]  # [BLOCK_M, KP]
             m = rmask[:, None] & (k < K)[None, :]
             wk = tl.load(tw_ptr + a, mask=m, other=0.0).to(tl.float32)
             kk = tl.load(keep_ptr + a, mask=m, other=0) != 0
-            tot = tl.sum(wk, axis=1)
             kept_sum = tl.sum(tl.where(kk, wk, 0.0), axis=1)
-            tw = tw * tl.math.div_rn(tot, tl.maximum(kept_sum, 1e-20))
+            tw = tw * tl.math.div_rn(tl.sum(wk, axis=1), tl.maximum(kept_sum, 1e-20))
         tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
 
 
@@ -223,28 +220,34 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
     t = tiles or moe_tiles(T, D, inter, E)
     m_blocks = triton.cdiv(C, t.block_m)
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)  # every row written: kept by down, rest by up
+    y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)  # every row written: kept by down, rest by slots
     keep = torch.empty(S, dtype=torch.int8, device=x.device)
+    slots = torch.empty(E, C, dtype=torch.int32, device=x.device)
+    n_kept = torch.empty(E, dtype=torch.int32, device=x.device)
     wc = w.contiguous()
     c = counters
     cnt = c is not None
     count_cap = cnt and c.capacity is not None
-    bits = capacity_factor_bits(capacity_factor)
     v = valid if valid is not None else idx
-    common = dict(K=K, KP=_p2(K), POSITION=drop_policy == "position", HAS_VALID=valid is not None, COUNT=cnt,
-                  BLOCK_M=t.block_m, BLOCK_T=BLOCK_T, num_warps=t.warps, num_stages=t.stages)
+    has_valid = valid is not None
+    KP = _p2(K)
+    _cap_slots_kernel[(E,)](
+        idx, v, wc, slots, n_kept, keep, y, c.routed if cnt else h, c.dropped if cnt else h,
+        c.routed_mass if cnt else h, c.dropped_mass if cnt else h, c.capacity if count_cap else h,
+        c.calls if count_cap else h, c.tokens if cnt else h,
+        T, E, C, capacity_factor_bits(capacity_factor), int(min_capacity), D, y.stride(1), K=K, KP=KP,
+        POSITION=drop_policy == "position", HAS_VALID=has_valid, COUNT=cnt, COUNT_CAP=count_cap,
+        BLOCK_T=BLOCK_T, BLOCK_D=128, num_warps=4)
     _cap_up_kernel[(E, m_blocks, triton.cdiv(inter, t.up_n))](
-        x, idx, v, wc, gate_up, gate_up_bias if gate_up_bias is not None else h, h, y, keep,
-        c.routed if cnt else h, c.dropped if cnt else h, c.routed_mass if cnt else h, c.dropped_mass if cnt else h,
-        c.capacity if count_cap else h, c.calls if count_cap else h,
-        T, E, bits, int(min_capacity), D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
-        gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), y.stride(1), a.alpha, a.limit,
-        COUNT_CAP=count_cap, JM=a.jm, JU=a.ju, HAS_BIAS=gate_up_bias is not None, ACT=a.act,
-        BLOCK_N=t.up_n, BLOCK_K=t.up_k, BLOCK_D=128, **common)
+        x, v, gate_up, gate_up_bias if gate_up_bias is not None else h, h, slots, n_kept, keep,
+        c.lost_all if cnt else h, T, C, D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
+        gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
+        K=K, KP=KP, HAS_VALID=has_valid, COUNT=cnt, JM=a.jm, JU=a.ju, HAS_BIAS=gate_up_bias is not None, ACT=a.act,
+        BLOCK_M=t.block_m, BLOCK_N=t.up_n, BLOCK_K=t.up_k, BLOCK_T=BLOCK_T, num_warps=t.warps, num_stages=t.stages)
     _cap_down_kernel[(E, m_blocks, triton.cdiv(D, t.down_n))](
-        h, idx, v, wc, down, down_bias if down_bias is not None else h, y, keep,
-        c.tokens if cnt else h, c.lost_all if cnt else h,
-        T, E, bits, int(min_capacity), D, inter, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
-        down_bias.stride(0) if down_bias is not None else 0, y.stride(1),
-        RENORM=bool(renormalize), HAS_BIAS=down_bias is not None, BLOCK_N=t.down_n, BLOCK_K=t.down_k, **common)
+        h, wc, down, down_bias if down_bias is not None else h, y, slots, n_kept, keep,
+        C, D, inter, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
+        down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, KP=KP, RENORM=bool(renormalize),
+        HAS_BIAS=down_bias is not None, BLOCK_M=t.block_m, BLOCK_N=t.down_n, BLOCK_K=t.down_k,
+        num_warps=t.warps, num_stages=t.stages)
     return y
