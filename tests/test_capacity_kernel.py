@@ -203,6 +203,7 @@ def test_fused_step_on_every_family_under_interpreter():
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_kernels_compile_for_hopper():
     """The capacity kernels and the refactored dropless ones compile to sm_90 machine code on this CPU machine

@@ -219,11 +219,11 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
     C = capacity(T, K, E, capacity_factor, min_capacity)  # buffer slots: the padded shape's C bounds every threshold
     t = tiles or moe_tiles(T, D, inter, E)
     m_blocks = triton.cdiv(C, t.block_m)
-    h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
+    h = torch.empty(S, inter, dtype=x.dtype, device=x.device)  # [S, I] rows of kept assignments only
     y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)  # every row written: kept by down, rest by slots
-    keep = torch.empty(S, dtype=torch.int8, device=x.device)
-    slots = torch.empty(E, C, dtype=torch.int32, device=x.device)
-    n_kept = torch.empty(E, dtype=torch.int32, device=x.device)
+    keep = torch.empty(S, dtype=torch.int8, device=x.device)  # [S] 1: holds a slot (written for every assignment)
+    slots = torch.empty(E, C, dtype=torch.int32, device=x.device)  # [E, C] assignment in slot c, c < n_kept[e]
+    n_kept = torch.empty(E, dtype=torch.int32, device=x.device)  # [E]
     wc = w.contiguous()
     c = counters
     cnt = c is not None
