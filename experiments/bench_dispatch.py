@@ -3,13 +3,18 @@
   python experiments/bench_dispatch.py --out experiments/results/h200/dispatch.md \
       --json experiments/results/h200/dispatch.json
   python experiments/bench_dispatch.py --device cpu --preset mixtral_tiny --batch 1 4 --repeats 5  # CPU: no graphs
+  python experiments/bench_dispatch.py --scope fused --only dropless fused capacity-1.25  # equal kernels (issue 14)
 
 Dims: B batch rows (one decode token each, so T = B tokens), K top-k, E experts, D hidden.
-One model of each preset with a single decoder layer. Scope `experts`: the experts forward alone on a routing
-computed once by the layer's own router; scope `block`: the whole sparse MoE block (router, experts and, for
-Qwen2-MoE, the shared expert). Timing: CUDA events around `--inner` back-to-back calls after `--warmup` calls,
-divided by `--inner`; median over `--repeats`. On CPU, time.perf_counter the same way. `dynamic` is never captured
-(it is not graph-safe). Drop rate: the share of routed assignments the capacity dispatcher dropped on these inputs.
+One model of each preset with a single decoder layer. Scope `experts`: the experts forward alone (HF's module,
+through the dispatcher's `forward`) on a routing computed once by the layer's own router; scope `block`: the whole
+sparse MoE block (router, experts and, for Qwen2-MoE, the shared expert); scope `fused`: the experts as the fused
+decode step (capture.kernels=fused) calls them, `unreduced` where the dispatcher has it: Triton kernels for `fused`
+and `capacity` on CUDA (column `kernel`), dropless's sort + grouped GEMM. Timing: CUDA events around `--inner`
+back-to-back calls after `--warmup` calls, divided by `--inner`; median over `--repeats`. On CPU, time.perf_counter
+the same way. `dynamic` is never captured (it is not graph-safe). Drop rate: the share of routed assignments the
+capacity dispatcher dropped on these inputs. Floor: the expert weights a call must read (every expert's for a
+dispatcher that `reads_all_experts`, else the experts these tokens hit) over --bandwidth-gbps.
 """
 from __future__ import annotations
 
@@ -23,12 +28,14 @@ from pathlib import Path
 import torch
 
 from moecg.dispatch import attach, detach, make_dispatcher
+from moecg.floor import device_bandwidth_gbps, expert_bytes
 from moecg.report import env_fields
 from moecg.models import build_model
 
 CASES = [  # label, dispatch, kwargs
     ("dynamic", "dynamic", {}),
     ("dropless", "dropless", {}),
+    ("fused", "fused", {}),
     ("capacity-1.0", "capacity", {"capacity_factor": 1.0}),
     ("capacity-1.25", "capacity", {"capacity_factor": 1.25}),
     ("capacity-2.0", "capacity", {"capacity_factor": 2.0}),
@@ -82,18 +89,28 @@ def bench_preset(preset: str, args) -> list[dict]:
     D, E, K = model.config.hidden_size, built.adapter.num_experts(model.config), built.adapter.top_k(model.config)
     print(f"# {preset}: 1 layer, E={E} K={K} D={D}, {built.dtype}, {env_fields()['device_name']}", flush=True)
     use_graph = dev.type == "cuda" and not args.no_graph
+    bw = args.bandwidth_gbps or device_bandwidth_gbps(dev)[0]
     rows = []
     for B in args.batch:
         g = torch.Generator(device=dev).manual_seed(B)
         hidden = torch.randn(B, D, device=dev, dtype=built.dtype, generator=g)  # [T, D] static input
         with torch.no_grad():
             _, w, idx = router(hidden)  # [T, K], [T, K]: the layer's own routing of these tokens
-        calls = {"experts": lambda: experts(hidden, idx, w),
-                 "block": lambda: block(hidden[:, None])}  # the block takes [B, S=1, D]
+        hit = int(torch.unique(idx).numel())
         for label, dispatch, kw in CASES:
             if args.only and label not in args.only:
                 continue
-            state = attach(model, make_dispatcher(dispatch, **kw), max_rows=max(args.batch))
+            disp = make_dispatcher(dispatch, **kw)
+            state = attach(model, disp, max_rows=max(args.batch))
+            counters = state.layer(experts._moecg_slot)
+            # what FastDecode._experts calls: unreduced where the dispatcher has it
+            step = disp.unreduced if disp.fused_unreduced else disp.forward
+            calls = {"experts": lambda: experts(hidden, idx, w),
+                     "block": lambda: block(hidden[:, None]),  # the block takes [B, S=1, D]
+                     "fused": lambda: step(experts, hidden, idx, w, None, counters)}  # noqa: B023
+            use_triton = getattr(disp, "use_triton", None)
+            kernel = "triton" if use_triton is not None and use_triton(experts, hidden, idx) else "torch"
+            floor_us = (E if disp.reads_all_experts else hit) * expert_bytes(experts) / (bw * 1e3) if bw else None
             try:
                 with torch.no_grad():
                     state.reset()
@@ -110,7 +127,8 @@ def bench_preset(preset: str, args) -> list[dict]:
                             graph = time_us(cg.replay, dev, args.warmup, args.inner, args.repeats)
                             del cg
                         row = {"preset": preset, "scope": scope, "dispatch": label, "batch_size": B, "tokens": B,
-                               "eager_us": eager, "graph_us": graph, "drop_rate": drop}
+                               "eager_us": eager, "graph_us": graph, "drop_rate": drop, "experts_hit": hit,
+                               "kernel": kernel if scope == "fused" else "-", "floor_us": floor_us}
                         rows.append(row)
                         print(json.dumps(row), flush=True)
             finally:
@@ -125,8 +143,8 @@ def table(rows: list[dict], header: str) -> str:
     dyn = {(r["preset"], r["scope"], r["batch_size"]): r["eager_us"] for r in rows if r["dispatch"] == "dynamic"}
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     lines = [header, "",
-             "| preset | scope | dispatch | B | eager µs | graph µs | graph speedup | best vs dynamic eager | drop rate |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| preset | scope | dispatch | kernel | B | eager µs | graph µs | graph speedup | best vs dynamic eager | "
+             "drop rate | floor µs | best / floor |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     presets = list(dict.fromkeys(r["preset"] for r in rows))
     order = lambda r: (presets.index(r["preset"]), r["scope"] != "experts", r["batch_size"])  # noqa: E731
     for r in sorted(rows, key=order):
@@ -134,8 +152,10 @@ def table(rows: list[dict], header: str) -> str:
         ref = dyn.get((r["preset"], r["scope"], r["batch_size"]))
         speed = f"{r['eager_us'] / r['graph_us']:.2f}x" if r["graph_us"] else "-"
         vs_dyn = f"{ref / best:.2f}x" if ref else "-"
-        lines.append(f"| {r['preset']} | {r['scope']} | {r['dispatch']} | {r['batch_size']} | {fmt(r['eager_us'])} | "
-                     f"{fmt(r['graph_us'])} | {speed} | {vs_dyn} | {r['drop_rate']:.3f} |")
+        floor = r.get("floor_us")
+        lines.append(f"| {r['preset']} | {r['scope']} | {r['dispatch']} | {r.get('kernel', '-')} | {r['batch_size']} | "
+                     f"{fmt(r['eager_us'])} | {fmt(r['graph_us'])} | {speed} | {vs_dyn} | {r['drop_rate']:.3f} | "
+                     f"{fmt(floor)} | {f'{best / floor:.2f}x' if floor else '-'} |")
     return "\n".join(lines)
 
 
@@ -143,7 +163,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", nargs="+", default=["qwen1_5_moe_a2_7b", "mixtral_8x7b"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    ap.add_argument("--scope", nargs="+", choices=["experts", "block"], default=["experts", "block"])
+    ap.add_argument("--scope", nargs="+", choices=["experts", "block", "fused"], default=["experts", "block", "fused"])
     ap.add_argument("--only", nargs="*", default=None,
                     help=f"dispatch labels to run (default all: {', '.join(c[0] for c in CASES)})")
     ap.add_argument("--device", default="auto")
@@ -153,6 +173,8 @@ def main(argv=None):
     ap.add_argument("--inner", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--no-graph", action="store_true", help="eager only, even on cuda")
+    ap.add_argument("--bandwidth-gbps", type=float, default=None,
+                    help="HBM bandwidth for the floor column (default: moecg.floor's device table; none on CPU)")
     ap.add_argument("--out", default=None, help="markdown table path")
     ap.add_argument("--json", default=None, help="rows + environment as JSON")
     args = ap.parse_args(argv)

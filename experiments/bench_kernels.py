@@ -5,7 +5,7 @@
 Each op is captured 20 times back to back in one CUDA graph and replayed; time = median replay / 20 (CUDA
 events, after warmup), so launch overhead is excluded, as inside moecg's captured step. GB/s counts the weight
 bytes an op must read (routed experts: only the experts the batch hits). Variants:
-  moe:triton[BN,BK,warps,stages]  moecg.kernels.triton_ops.moe_experts with those tile settings (env MOECG_MOE_*)
+  moe:triton[BN,BK,warps,stages]  moecg.kernels.triton_ops.moe_experts with those tiles (tiles=MoeTiles(...))
   moe:dropless                    sort + grouped GEMM (the `dropless` dispatcher), unreduced output
   attn:triton / attn:sdpa         decode attention over a half-full 256-slot cache
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
@@ -22,6 +21,7 @@ from bench_dispatch import capture, time_us  # same directory: the graph capture
 
 from moecg.dispatch import make_dispatcher
 from moecg.kernels import ref, triton_ops
+from moecg.kernels.tiles import MoeTiles
 from moecg.report import env_fields, write_report
 from moecg.models import build_model
 
@@ -73,22 +73,17 @@ def main(argv=None):
         dropless = make_dispatcher("dropless")
         r["moe:dropless"] = graph_time_us(lambda: dropless.unreduced(experts, x, idx, w, None, None))
         for c in configs:
-            os.environ.update(MOECG_MOE_UP_BLOCK_N=str(c[0]), MOECG_MOE_DOWN_BLOCK_N=str(c[0]),
-                              MOECG_MOE_UP_BLOCK_K=str(c[1]), MOECG_MOE_DOWN_BLOCK_K=str(c[1]),
-                              MOECG_MOE_WARPS=str(c[2]), MOECG_MOE_STAGES=str(c[3]))
+            tiles = MoeTiles(up_n=c[0], down_n=c[0], up_k=c[1], down_k=c[1], warps=c[2], stages=c[3])
             name = "moe:triton[" + ",".join(map(str, c)) + "]"
             try:
-                got = triton_ops.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj)
+                got = triton_ops.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, tiles=tiles)
                 err = float((got - want).abs().max())
                 r[name] = graph_time_us(lambda: triton_ops.moe_experts(x, idx, w, experts.gate_up_proj,
-                                                                       experts.down_proj))
+                                                                       experts.down_proj, tiles=tiles))
                 r[name + ":err"] = err
             except Exception as e:  # noqa: BLE001 - a config the compiler rejects is reported, not fatal
                 print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
                 r[name] = float("nan")
-        for k in ("MOECG_MOE_UP_BLOCK_N", "MOECG_MOE_DOWN_BLOCK_N", "MOECG_MOE_UP_BLOCK_K", "MOECG_MOE_DOWN_BLOCK_K",
-                  "MOECG_MOE_WARPS", "MOECG_MOE_STAGES"):
-            os.environ.pop(k, None)
         # attention over a half-full cache
         Hq, Dh = at.q_proj.weight.shape[0] // at.head_dim, at.head_dim
         Hkv = at.k_proj.weight.shape[0] // Dh

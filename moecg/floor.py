@@ -39,14 +39,18 @@ def floor_bytes(model, adapter, experts_hit: list[int], rows: int, context: int)
     total += rows * cfg.hidden_size * next(model.parameters()).element_size()  # embedding rows
     moe = adapter.moe_layers(model)
     for (_, experts), hit in zip(moe, experts_hit):
-        per_expert = sum(p[0].numel() for p in _expert_params(experts)) * experts.gate_up_proj.element_size()
-        total += hit * per_expert
+        total += hit * expert_bytes(experts)
     kv_bytes = next(model.parameters()).element_size()
     # a sliding-window layer reads only the keys inside its window
     live = sum(min(context, w) if w else context for w in adapter.attention_windows(cfg))
     # keys + values per token as the cache holds them (MLA: its latent, FamilyAdapter.kv_shapes)
     total += rows * adapter.kv_elems_per_token(cfg) * live * kv_bytes
     return float(total)
+
+
+def expert_bytes(experts) -> int:
+    """Bytes of one expert's weights (and biases): what a step reads per expert it touches."""
+    return sum(p[0].numel() for p in _expert_params(experts)) * experts.gate_up_proj.element_size()
 
 
 def _expert_params(experts) -> list:

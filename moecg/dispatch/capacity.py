@@ -7,15 +7,23 @@ GEMM reads all E experts' weights every step, even at batch 1 where dropless rea
 Buffers are sized for the T tokens run (a padded bucket), but the drop threshold is Megatron's capacity of the
 *real* tokens, computed on the device from the row mask: the same workload keeps the same assignments whether it
 runs eagerly at its own batch size or padded up to a captured bucket.
+
+Two implementations of one function. HF's modules call `forward`: the PyTorch path above (Megatron's layout). The
+fused decode step (capture.kernels=fused) calls `unreduced`: on CUDA with Triton (S <= max_assignments) the capacity
+kernels of `moecg.kernels.capacity_ops`, which choose the same slots on the device, count inside the kernels and run
+the GEMMs on the kept assignments only, still reading every expert's weights once (what a padded GEMM costs); else
+the same PyTorch path. Both keep the same assignments and count the same (tests/test_capacity_kernel.py).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from moecg.dispatch.base import Dispatcher, count_valid, expert_mlp_padded, register
+from moecg.dispatch.triton_path import TritonPath, kernel_spec
 
 DROP_POLICIES = ("probs", "position")
 
@@ -73,19 +81,68 @@ def capacity_slots(idx, w, valid, num_experts: int, cap: int, drop_policy: str, 
     return slot_token.t(), slot_ok.t(), routed, kept, probs
 
 
+class Slots(NamedTuple):
+    """One call's slot assignment (`assign_slots`)."""
+
+    buffer: int  # C: slots per expert the buffers hold, from the (padded) token count
+    n_valid: torch.Tensor  # [] int64 real tokens
+    cap: int | torch.Tensor  # the drop threshold: C, or the real tokens' capacity (device scalar) when padded
+    slot_token: torch.Tensor  # [E, C]
+    slot_ok: torch.Tensor  # [E, C] bool
+    routed: torch.Tensor  # [T, E] bool
+    kept: torch.Tensor  # [T, E] bool
+    probs: torch.Tensor  # [T, E] fp32
+
+
+def assign_slots(idx, w, valid, num_experts: int, capacity_factor: float, min_capacity: int, drop_policy: str) -> Slots:
+    """Megatron's capacity on the tokens run (buffer) and on the real ones (threshold), then `capacity_slots`."""
+    T, K = idx.shape
+    C = capacity(T, K, num_experts, capacity_factor, min_capacity)  # buffer slots: a function of the shape only
+    n_valid = count_valid(valid, T, idx.device)  # []
+    # the drop threshold: Megatron's capacity of the real tokens (pad rows never count)
+    cap_used = None if valid is None else capacity_on_device(n_valid, K, num_experts, capacity_factor, min_capacity)
+    slot_token, slot_ok, routed, kept, probs = capacity_slots(idx, w, valid, num_experts, C, drop_policy, cap_used)
+    return Slots(C, n_valid, C if cap_used is None else cap_used, slot_token, slot_ok, routed, kept, probs)
+
+
+def kept_weights(idx, w, kept, valid, renormalize: bool):
+    """-> (keep_k [T, K] bool, w_k [T, K] fp32): which of each token's K assignments hold a slot, and their combine
+    weights (0 where dropped; renormalize: the survivors rescaled to the token's original total)."""
+    E = kept.shape[1]
+    keep_k = kept.gather(1, idx.clamp(max=E - 1))  # [T, K]
+    if valid is not None:
+        keep_k = keep_k & valid[:, None]
+    w_k = torch.where(keep_k, w.float(), 0.0)  # [T, K]
+    if renormalize:
+        # surviving weights rescaled to the token's original total (1 when the router normalises top-k)
+        w_k = w_k * (w.float().sum(1, keepdim=True) / w_k.sum(1, keepdim=True).clamp(min=1e-20))
+    return keep_k, w_k
+
+
+def add_counters(counters, slots: Slots) -> None:
+    """The drop counters of one call: routed, dropped, their weight, real tokens, tokens that lost all K, C applied."""
+    routed, kept, probs = slots.routed, slots.kept, slots.probs
+    dropped = routed & ~kept  # [T, E]
+    lost = (routed.any(1) & ~kept.any(1)).sum()
+    counters.add(routed.sum(0), dropped.sum(0), (probs * routed).sum(0), (probs * dropped).sum(0), slots.n_valid, lost)
+    counters.add_capacity(slots.cap)
+
+
 @register
 @dataclass
-class Capacity(Dispatcher):
+class Capacity(Dispatcher, TritonPath):
     name = "capacity"
     graph_safe = True
     drops = True
-    reads_all_experts = True
+    reads_all_experts = True  # the padded GEMM, and the kernels too: every expert's weights once per call
+    fused_unreduced = True
     capacity_factor: float = 1.25
     drop_policy: str = "probs"
     min_capacity: int = 1
     renormalize: bool = False
 
     def __post_init__(self):
+        super().__post_init__()  # kernels, max_assignments
         if not self.capacity_factor > 0:
             raise ValueError(f"dispatch.capacity_factor={self.capacity_factor}: must be > 0 (1.0-2.0 is typical)")
         if self.drop_policy not in DROP_POLICIES:
@@ -100,35 +157,38 @@ class Capacity(Dispatcher):
         return capacity(num_tokens, top_k, num_experts, self.capacity_factor, self.min_capacity)
 
     def forward(self, experts, hidden, idx, w, valid, counters):
+        return self._padded(experts, hidden, idx, w, valid, counters).sum(1).to(hidden.dtype)  # [T, D]
+
+    def unreduced(self, experts, hidden, idx, w, valid, counters):
+        """[T, K, D] fp32 weighted expert outputs (dropped assignments and pad rows zero); the fused step sums them."""
+        if self.use_triton(experts, hidden, idx):
+            from moecg.kernels import capacity_ops
+
+            spec = kernel_spec(experts)
+            bias = spec.has_bias
+            return capacity_ops.capacity_experts(
+                hidden, idx.contiguous(), w, experts.gate_up_proj, experts.down_proj, valid, counters,
+                capacity_factor=self.capacity_factor, drop_policy=self.drop_policy, min_capacity=self.min_capacity,
+                renormalize=self.renormalize, spec=spec, gate_up_bias=experts.gate_up_proj_bias if bias else None,
+                down_bias=experts.down_proj_bias if bias else None)
+        return self._padded(experts, hidden, idx, w, valid, counters)
+
+    def _padded(self, experts, hidden, idx, w, valid, counters):
+        """The PyTorch path: [E, C, D] buffers, one batched GEMM over all experts -> [T, K, D] fp32."""
         T, K = idx.shape
         E = experts.num_experts
-        C = self.capacity_for(T, K, E)  # buffer slots: a function of the (padded) shape only
-        n_valid = count_valid(valid, T, hidden.device)  # []
-        # the drop threshold: Megatron's capacity of the real tokens (pad rows never count)
-        cap_used = None if valid is None else \
-            capacity_on_device(n_valid, K, E, self.capacity_factor, self.min_capacity)
-        slot_token, slot_ok, routed, kept, probs = capacity_slots(idx, w, valid, E, C, self.drop_policy, cap_used)
-        x = hidden[slot_token]  # [E, C, D]
+        sl = assign_slots(idx, w, valid, E, self.capacity_factor, self.min_capacity, self.drop_policy)
+        C = sl.buffer
+        x = hidden[sl.slot_token]  # [E, C, D]
         y = expert_mlp_padded(experts, x.to(experts.gate_up_proj.dtype))  # [E, C, D]
         # Where each kept (token, expert) sits: slot_of[t, e] = c.
         slot_of = torch.zeros(T, E, dtype=torch.int64, device=idx.device)
         slots = torch.arange(C, device=idx.device).expand(E, C)  # [E, C]
-        slot_of.scatter_(0, slot_token.t(), slots.t())  # [T, E]
+        slot_of.scatter_(0, sl.slot_token.t(), slots.t())  # [T, E]
         e_k = idx.clamp(max=E - 1)  # [T, K]
-        keep_k = kept.gather(1, e_k)  # [T, K]
-        if valid is not None:
-            keep_k = keep_k & valid[:, None]
-        w_k = torch.where(keep_k, w.float(), 0.0)  # [T, K]
-        if self.renormalize:
-            # surviving weights rescaled to the token's original total (1 when the router normalises top-k)
-            w_k = w_k * (w.float().sum(1, keepdim=True) / w_k.sum(1, keepdim=True).clamp(min=1e-20))
+        keep_k, w_k = kept_weights(idx, w, sl.kept, valid, self.renormalize)  # [T, K], [T, K]
         flat = e_k * C + slot_of.gather(1, e_k)  # [T, K] row in y.view(E*C, D)
         out_k = y.reshape(E * C, -1)[flat]  # [T, K, D]
-        out = torch.where(keep_k[..., None], out_k.float() * w_k[..., None], 0.0).sum(1)  # [T, D]
         if counters is not None:
-            routed_e = routed.sum(0)  # [E]
-            dropped = routed & ~kept  # [T, E]
-            lost = (routed.any(1) & ~kept.any(1)).sum()
-            counters.add(routed_e, dropped.sum(0), (probs * routed).sum(0), (probs * dropped).sum(0), n_valid, lost)
-            counters.add_capacity(C if cap_used is None else cap_used)
-        return out.to(hidden.dtype)
+            add_counters(counters, sl)
+        return torch.where(keep_k[..., None], out_k.float() * w_k[..., None], 0.0)  # [T, K, D]

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moecg.dispatch.base import count_valid, route_counts, routed_mass
+from moecg.dispatch.capacity import add_counters, assign_slots, kept_weights
 
 
 def rmsnorm(x, weight, eps: float, cast_last: bool = False):
@@ -207,12 +208,13 @@ def expert_act(gu, spec=None):
 
 
 def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
-                down_bias=None):
+                down_bias=None, tiles=None):
     """Dropless routed experts, unreduced: [T, K, D] fp32, y[t, k] = w[t, k] * expert_{idx[t,k]}(x[t]).
 
     gate_up [E, 2I, D] and down [E, D, I] (spec.transposed: [E, D, 2I] and [E, I, D], GPT-OSS); biases [E, 2I] and
     [E, D] are added after each GEMM's rounding, as HF adds them. spec: see expert_act.
     Rows with valid False get zeros and are not counted. counters: a LayerCounters (routed, mass, tokens).
+    tiles: the Triton kernel's tile choice (moecg.kernels.tiles); no meaning here.
     """
     T, K = idx.shape
     transposed = spec is not None and spec.transposed
@@ -236,3 +238,23 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         idx_m, counts = route_counts(idx, valid, E)
         counters.add_routed(counts, routed_mass(idx_m, w, E), count_valid(valid, T, x.device))
     return y
+
+
+def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, capacity_factor: float,
+                     drop_policy: str = "probs", min_capacity: int = 1, renormalize: bool = False, spec=None,
+                     gate_up_bias=None, down_bias=None, tiles=None):
+    """`capacity`'s routed experts, unreduced: [T, K, D] fp32, moe_experts on the assignments that keep a slot,
+    zeros for the dropped ones and for pad rows.
+
+    The slots are the capacity dispatcher's (moecg.dispatch.capacity.assign_slots: C = Megatron's capacity of the
+    real tokens; `probs` keeps each expert's highest combine weights, equal weights to the earlier token;
+    `position` the earliest tokens), the weights its kept_weights (renormalize), the counters its add_counters.
+    The Triton kernels (moecg.kernels.capacity_ops) compute this while reading every expert's weights once; tiles
+    is their tile choice (no meaning here).
+    """
+    sl = assign_slots(idx, w, valid, gate_up.shape[0], capacity_factor, min_capacity, drop_policy)
+    keep_k, w_k = kept_weights(idx, w, sl.kept, valid, renormalize)  # [T, K], [T, K] fp32
+    y = moe_experts(x, idx, w_k, gate_up, down, spec=spec, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    if counters is not None:
+        add_counters(counters, sl)
+    return torch.where(keep_k[..., None], y, 0.0)  # [T, K, D]

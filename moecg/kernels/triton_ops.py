@@ -503,6 +503,8 @@ def silu_mul(gu, inter: int):
 # Weights are addressed by strides, so one kernel covers [E, 2I, D] / [E, D, I] and HF's transposed [E, D, 2I] /
 # [E, I, D] (GPT-OSS), with gate/up as two halves or interleaved columns (j = JM*n + JG for gate column n, + JU for
 # up); biases are added after each GEMM's rounding, as HF adds them; ACT 0 is SiLU, 1 GPT-OSS's clamped SwiGLU.
+# The GEMM tiles (_up_tile, _down_tile) are shared with the capacity kernels (moecg.kernels.capacity_ops), which
+# pick their rows differently.
 @triton.jit
 def _rows_for(idx_ptr, valid_ptr, e, mb, S, K: tl.constexpr, HAS_VALID: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -522,6 +524,70 @@ def _rows_for(idx_ptr, valid_ptr, e, mb, S, K: tl.constexpr, HAS_VALID: tl.const
         rows += tl.sum(tl.where(sel, s[None, :], 0), axis=1)
         base += tl.sum(hi, axis=0)
     return base, rows, r < base
+
+
+@triton.jit
+def _up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha, limit,
+             dt: tl.constexpr, K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr,
+             ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act(gate, up) of assignments `rows` [BLOCK_M] (token = row // K) for expert e's columns block nb
+    -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask)."""
+    tok = rows // K
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < I
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    jg = n * JM  # gate column of output n in the 2I dim
+    ju = n * JM + JU
+    wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
+    wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
+    for k0 in range(0, D, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < D
+        x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+        u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+        acc_g = tl.dot(x, tl.trans(g), acc_g)
+        acc_u = tl.dot(x, tl.trans(u), acc_u)
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    if HAS_BIAS:
+        bb = b_ptr + e.to(tl.int64) * s_be
+        g = (g + tl.load(bb + jg, mask=nm, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+        u = (u + tl.load(bb + ju, mask=nm, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+    if ACT == 0:  # silu(gate) * up
+        a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+        hv = a * u
+    else:  # GPT-OSS: (clamp(up) + 1) * gate * sigmoid(alpha * gate), gate clamped from above
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        sg = tl.sigmoid((g * alpha).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        glu = (g * sg).to(dt).to(tl.float32)
+        hv = (u + 1.0).to(dt).to(tl.float32) * glu
+    return hv, n, nm
+
+
+@triton.jit
+def _down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
+               dt: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """Expert e's down projection of h rows `rows` for output columns block nb, rounded (and biased) as HF
+    -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask); the caller applies the routing weight."""
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < D
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    wd = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < I
+        h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+        acc = tl.dot(h, tl.trans(w), acc)
+    o = acc.to(dt).to(tl.float32)
+    if HAS_BIAS:
+        o = (o + tl.load(b_ptr + e.to(tl.int64) * s_be + n, mask=nm, other=0.0).to(tl.float32)[None, :])
+        o = o.to(dt).to(tl.float32)
+    return o, n, nm
 
 
 @triton.jit(do_not_specialize=["S"])
@@ -555,39 +621,9 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                     n_tok = tl.sum(acc_v, axis=0)
                 tl.store(tok_ptr, tl.load(tok_ptr) + n_tok)
     if cnt > mb * BLOCK_M:
-        tok = rows // K
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = n < I
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        jg = n * JM  # gate column of output n in the 2I dim
-        ju = n * JM + JU
-        wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
-        wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
-        for k0 in range(0, D, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            km = kk < D
-            x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-            u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-            acc_g = tl.dot(x, tl.trans(g), acc_g)
-            acc_u = tl.dot(x, tl.trans(u), acc_u)
         dt = h_ptr.dtype.element_ty
-        g = acc_g.to(dt).to(tl.float32)
-        u = acc_u.to(dt).to(tl.float32)
-        if HAS_BIAS:
-            bb = b_ptr + e.to(tl.int64) * s_be
-            g = (g + tl.load(bb + jg, mask=nm, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
-            u = (u + tl.load(bb + ju, mask=nm, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
-        if ACT == 0:  # silu(gate) * up
-            a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
-            hv = a * u
-        else:  # GPT-OSS: (clamp(up) + 1) * gate * sigmoid(alpha * gate), gate clamped from above
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            sg = tl.sigmoid((g * alpha).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            glu = (g * sg).to(dt).to(tl.float32)
-            hv = (u + 1.0).to(dt).to(tl.float32) * glu
+        hv, n, nm = _up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
+                             limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K)
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
@@ -600,49 +636,49 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, S, 
     nb = tl.program_id(2)
     cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
     if cnt > mb * BLOCK_M:
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = n < D
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        wd = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
-        for k0 in range(0, I, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            km = kk < I
-            h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-            acc = tl.dot(h, tl.trans(w), acc)
+        o, n, nm = _down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
+                              h_ptr.dtype.element_ty, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)
         tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        dt = h_ptr.dtype.element_ty
-        o = acc.to(dt).to(tl.float32)
-        if HAS_BIAS:
-            o = (o + tl.load(b_ptr + e.to(tl.int64) * s_be + n, mask=nm, other=0.0).to(tl.float32)[None, :])
-            o = o.to(dt).to(tl.float32)
-        y = o * tw[:, None]
-        tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], y, mask=rmask[:, None] & nm[None, :])
+        tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
 
 
-def _cfg(name: str, default: int) -> int:
-    return int(os.environ.get(f"MOECG_MOE_{name}", default))
+class ExpertArgs:
+    """The layout arguments both MoE kernel families take, read off the weights and the adapter's ExpertSpec."""
+
+    def __init__(self, gate_up, down, spec=None, gate_up_bias=None, down_bias=None):
+        transposed = spec is not None and spec.transposed
+        self.act = 0 if spec is None or spec.act == "silu" else 1
+        if self.act and spec.act != "swiglu_clamp":
+            raise ValueError(f"expert activation {spec.act!r}: the MoE kernel knows silu and swiglu_clamp")
+        self.gate_up, self.down = gate_up, down
+        self.num_experts = gate_up.shape[0]
+        # strides along the 2I / I dim (j) and the D dim (k) of the up weights, along D (n) and I (k) of the down ones
+        self.s_wj, self.s_wk = (gate_up.stride(2), gate_up.stride(1)) if transposed else (gate_up.stride(1),
+                                                                                         gate_up.stride(2))
+        self.s_dn, self.s_dk = (down.stride(2), down.stride(1)) if transposed else (down.stride(1), down.stride(2))
+        self.inter = gate_up.shape[2 if transposed else 1] // 2
+        interleaved = spec is not None and spec.interleaved
+        self.jm, self.ju = (2, 1) if interleaved else (1, self.inter)
+        self.alpha = float(spec.alpha) if self.act else 1.0
+        self.limit = float(spec.limit) if self.act else 0.0
+        assert gate_up_bias is None or gate_up_bias.stride(1) == 1
+        assert down_bias is None or down_bias.stride(1) == 1
+        self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
 
 
 def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
-                down_bias=None):
+                down_bias=None, tiles=None):
+    """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles)."""
+    from moecg.kernels.tiles import moe_tiles
+
     T, K = idx.shape
     D = x.shape[1]
-    transposed = spec is not None and spec.transposed
-    interleaved = spec is not None and spec.interleaved
-    act = 0 if spec is None or spec.act == "silu" else 1
-    if act and spec.act != "swiglu_clamp":
-        raise ValueError(f"expert activation {spec.act!r}: the MoE kernel knows silu and swiglu_clamp")
-    E = gate_up.shape[0]
-    # strides along the 2I / I dim (j) and the D dim (k) of the up weights, along D (n) and I (k) of the down ones
-    s_wj, s_wk = (gate_up.stride(2), gate_up.stride(1)) if transposed else (gate_up.stride(1), gate_up.stride(2))
-    s_dn, s_dk = (down.stride(2), down.stride(1)) if transposed else (down.stride(1), down.stride(2))
-    inter = gate_up.shape[2 if transposed else 1] // 2
+    a = ExpertArgs(gate_up, down, spec, gate_up_bias, down_bias)
+    E, inter = a.num_experts, a.inter
     S = T * K
     assert x.stride(1) == 1 and idx.is_contiguous()
-    assert gate_up_bias is None or gate_up_bias.stride(1) == 1
-    assert down_bias is None or down_bias.stride(1) == 1
-    bm = _cfg("BLOCK_M", 16)
+    t = tiles or moe_tiles(T, D, inter, E)
+    bm = t.block_m
     m_blocks = triton.cdiv(T, bm)  # an expert gets at most one assignment per token
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)
@@ -650,24 +686,17 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         y.zero_()  # pad rows are never written by the kernels
     wc = w.contiguous()
     c = counters
-    # Tiles from experiments/bench_kernels.py on an H200 (results/h200/kernels_*.md): 64x128, 4 warps, 4 stages
-    # is best or within 3% for the Qwen shapes at bs 1-32; Mixtral-sized experts (I*D >= 32M) prefer 32x256.
-    big = inter * D >= 32 * 2**20
-    bn_up, bk_up = _cfg("UP_BLOCK_N", 32 if big else 64), _cfg("UP_BLOCK_K", 256 if big else 128)
-    bn_dn, bk_dn = _cfg("DOWN_BLOCK_N", 32 if big else 64), _cfg("DOWN_BLOCK_K", 256 if big else 128)
-    warps, stages = _cfg("WARPS", 4), _cfg("STAGES", 3 if big else 4)
-    _moe_up_kernel[(E, m_blocks, triton.cdiv(inter, bn_up))](
+    _moe_up_kernel[(E, m_blocks, triton.cdiv(inter, t.up_n))](
         x, idx, valid if valid is not None else idx, wc, gate_up, gate_up_bias if gate_up_bias is not None else h,
         h, c.routed if c is not None else h, c.routed_mass if c is not None else h,
-        c.tokens if c is not None else h, S, D, inter, x.stride(0), gate_up.stride(0), s_wj, s_wk,
-        gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
-        float(spec.alpha) if act else 1.0, float(spec.limit) if act else 0.0,
-        K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=2 if interleaved else 1,
-        JU=1 if interleaved else inter, HAS_BIAS=gate_up_bias is not None, ACT=act,
-        BLOCK_M=bm, BLOCK_N=bn_up, BLOCK_K=bk_up, BLOCK_S=64, num_warps=warps, num_stages=stages)
-    _moe_down_kernel[(E, m_blocks, triton.cdiv(D, bn_dn))](
+        c.tokens if c is not None else h, S, D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
+        gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
+        K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=a.jm, JU=a.ju,
+        HAS_BIAS=gate_up_bias is not None, ACT=a.act,
+        BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=t.up_k, BLOCK_S=64, num_warps=t.warps, num_stages=t.stages)
+    _moe_down_kernel[(E, m_blocks, triton.cdiv(D, t.down_n))](
         h, idx, valid if valid is not None else idx, wc, down, down_bias if down_bias is not None else h, y, S, D,
-        inter, h.stride(0), down.stride(0), s_dn, s_dk, down_bias.stride(0) if down_bias is not None else 0,
+        inter, h.stride(0), down.stride(0), a.s_dn, a.s_dk, down_bias.stride(0) if down_bias is not None else 0,
         y.stride(1), K=K, HAS_VALID=valid is not None, HAS_BIAS=down_bias is not None,
-        BLOCK_M=bm, BLOCK_N=bn_dn, BLOCK_K=bk_dn, BLOCK_S=64, num_warps=warps, num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=t.down_k, BLOCK_S=64, num_warps=t.warps, num_stages=t.stages)
     return y

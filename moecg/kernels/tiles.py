@@ -1,0 +1,58 @@
+"""Tile choices of the MoE expert kernels, as one table keyed by shape and passed to the kernels as arguments.
+
+Dims: T tokens (rows of the step: the captured bucket), D hidden, I expert intermediate, E experts.
+`moe_tiles(T, D, I, E)` walks MOE_TILE_RULES in order and returns the tiles of the first rule whose ranges hold the
+shape (each range half-open, [lo, hi)); DEFAULT where none does. Both kernel families read it: the dropless kernels
+(`triton_ops.moe_experts`) and the capacity kernels (`capacity_ops.capacity_experts`), which run the same GEMM tiles
+on other rows. A caller that sweeps tiles passes `tiles=MoeTiles(...)` instead (experiments/bench_kernels.py).
+
+The values come from experiments/bench_kernels.py on an H200 (results/h200/kernels_*.md): 64x128 tiles, 4 warps,
+4 stages are best or within 3% for the Qwen shapes at bs 1-32; Mixtral-sized experts (I*D >= 32M, i.e. 4096 x 14336)
+prefer 32x256 with 3 stages. No rule depends on T today, so one compilation serves every bucket; a rule that does
+costs one more compilation per distinct tile set.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+_ANY = (0, math.inf)
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    block_m: int = 16  # assignments (rows) of one expert per program; tl.dot needs >= 16
+    up_n: int = 64  # gate/up output columns per program (of I)
+    up_k: int = 128  # D step of the up GEMM's loop
+    down_n: int = 64  # output columns per program (of D)
+    down_k: int = 128  # I step of the down GEMM's loop
+    warps: int = 4
+    stages: int = 4
+
+
+@dataclass(frozen=True)
+class TileRule:
+    tiles: MoeTiles
+    tokens: tuple = _ANY  # T
+    hidden: tuple = _ANY  # D
+    inter: tuple = _ANY  # I
+    experts: tuple = _ANY  # E
+    weight: tuple = _ANY  # I*D, the elements of one expert's projection: what a decode GEMM streams
+
+    def holds(self, T: int, D: int, I: int, E: int) -> bool:  # noqa: E741
+        return all(lo <= v < hi for v, (lo, hi) in ((T, self.tokens), (D, self.hidden), (I, self.inter),
+                                                    (E, self.experts), (I * D, self.weight)))
+
+
+DEFAULT = MoeTiles()
+MOE_TILE_RULES: tuple[TileRule, ...] = (
+    # Mixtral-8x7B's experts (D 4096, I 14336): longer K steps and narrower columns stream the big weights faster
+    TileRule(MoeTiles(up_n=32, up_k=256, down_n=32, down_k=256, stages=3), weight=(32 * 2**20, math.inf)),
+)
+
+
+def moe_tiles(T: int, D: int, I: int, E: int) -> MoeTiles:  # noqa: E741
+    for rule in MOE_TILE_RULES:
+        if rule.holds(T, D, I, E):
+            return rule.tiles
+    return DEFAULT

@@ -1,0 +1,246 @@
+"""`capacity` on the fused decode step: the Triton capacity kernels (moecg.kernels.capacity_ops), their PyTorch
+reference (ref.capacity_experts) and the dispatcher's padded PyTorch path agree, on CPU.
+
+Dims: T tokens, K top-k, E experts, C capacity, D hidden, I expert intermediate.
+Torch only here: the reference against the padded path (same kept assignments, same counters, same outputs), a
+huge factor against dropless, and the fused step's wiring (dispatch=capacity under capture.kernels=fused calls the
+kernels). The kernels themselves run under Triton's interpreter in a subprocess (tests/capacity_interp_check.py):
+against the reference, against the padded path on every family's experts, and through each family's fused step.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moecg.capture import Capture
+from moecg.dispatch import DispatchState, attach, detach, make_dispatcher, state_of
+from moecg.dispatch.capacity import Capacity
+from moecg.dispatch.state import LayerCounters
+from moecg.engine import DecodeEngine
+from moecg.kernels import ref
+from moecg.kernels.tiles import DEFAULT, MOE_TILE_RULES, MoeTiles, TileRule, moe_tiles
+from moecg.models import build_model
+
+HAS_TRITON = subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode == 0
+COUNTS = ("routed", "dropped", "tokens", "lost_all", "capacity", "calls")
+
+
+def _counters(E):
+    z = lambda dt=torch.int64: torch.zeros(E, dtype=dt)  # noqa: E731
+    s = lambda: torch.zeros((), dtype=torch.int64)  # noqa: E731
+    return LayerCounters(z(), z(), z(torch.float32), z(torch.float32), s(), s(), s(), s())
+
+
+def _experts(preset):
+    b = build_model(preset, dtype="fp32", device="cpu", seed=0)
+    layer = next(lay for lay in b.adapter.layers(b.model) if b.adapter.moe_block(lay) is not None)
+    experts = b.adapter.experts_of(layer)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # HF zeros biases: random ones show a dropped term
+        for name, p in experts.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return experts, b.adapter.expert_spec(experts)
+
+
+def _routing(T, E, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K]
+    w = torch.rand(T, K, generator=g)
+    w[1], idx[1] = w[0], idx[0]  # an exact tie: the earlier token must win it under `probs`
+    return idx, w
+
+
+def _ref(experts, spec, x, idx, w, valid, counters, **kw):
+    bias = dict(gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias) if spec.has_bias else {}
+    return ref.capacity_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, valid, counters, spec=spec,
+                                **bias, **kw)
+
+
+CASES = [  # capacity_factor, drop_policy, renormalize, real tokens of 12
+    (0.5, "probs", False, 9), (0.5, "position", False, 9), (1.0, "probs", True, 12), (1.25, "position", True, 7),
+    (0.25, "probs", False, None),
+]
+
+
+@pytest.mark.parametrize("preset", ["mixtral_tiny", "gpt_oss_tiny"])
+@pytest.mark.parametrize("cf,policy,renorm,n_valid", CASES)
+def test_reference_equals_the_padded_path(preset, cf, policy, renorm, n_valid):
+    """ref.capacity_experts (what the kernels compute) == Capacity's padded [E, C, D] path: the same kept
+    assignments, counters and outputs (both layouts: Mixtral's, GPT-OSS's transposed biased clamped experts)."""
+    experts, spec = _experts(preset)
+    E, K = experts.num_experts, 2
+    T = 12
+    x = torch.randn(T, experts.gate_up_proj.shape[-1 if not spec.transposed else 1],
+                    generator=torch.Generator().manual_seed(2))
+    idx, w = _routing(T, E, K, seed=3)
+    valid = None if n_valid is None else torch.arange(T) < n_valid
+    kw = dict(capacity_factor=cf, drop_policy=policy, renormalize=renorm)
+    c1, c2 = _counters(E), _counters(E)
+    with torch.no_grad():
+        want = Capacity(kernels="torch", **kw).unreduced(experts, x, idx, w, valid, c1)
+        got = _ref(experts, spec, x, idx, w, valid, c2, **kw)
+    assert int(c1.dropped.sum()) > 0  # every case drops: the kept sets are compared, not only the outputs
+    for f in COUNTS:
+        assert torch.equal(getattr(c1, f), getattr(c2, f)), f
+    torch.testing.assert_close(c1.dropped_mass, c2.dropped_mass, atol=1e-6, rtol=1e-6)
+    assert torch.equal(want.abs().amax(-1) == 0, got.abs().amax(-1) == 0)  # the same assignments dropped
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if n_valid is not None:
+        assert torch.equal(got[n_valid:], torch.zeros_like(got[n_valid:])) and int(c2.tokens) == n_valid
+
+
+def test_huge_factor_is_dropless_and_forward_is_the_unreduced_sum():
+    experts, spec = _experts("qwen3_moe_tiny")
+    E, K, T = experts.num_experts, 4, 10
+    x = torch.randn(T, 64, generator=torch.Generator().manual_seed(4))
+    idx, w = _routing(T, E, K, seed=5)
+    valid = torch.arange(T) < 8
+    c = _counters(E)
+    with torch.no_grad():
+        got = _ref(experts, spec, x, idx, w, valid, c, capacity_factor=1e3)
+        dropless = make_dispatcher("dropless").unreduced(experts, x, idx, w, valid, None)
+        torch.testing.assert_close(got, dropless, atol=1e-5, rtol=1e-5)
+        assert int(c.dropped.sum()) == 0 and int(c.routed.sum()) == 8 * K
+        disp = Capacity(capacity_factor=0.5, kernels="torch")
+        assert torch.equal(disp.forward(experts, x, idx, w, valid, None),
+                           disp.unreduced(experts, x, idx, w, valid, None).sum(1).to(x.dtype))
+
+
+def test_capabilities_and_options():
+    assert Capacity.fused_unreduced and Capacity.reads_all_experts and Capacity.drops
+    disp = make_dispatcher("capacity", kernels="torch", max_assignments=64)
+    assert (disp.kernels, disp.max_assignments) == ("torch", 64)
+    with pytest.raises(ValueError, match=r"dispatch.kernels='gpu': choose auto, triton or torch"):
+        make_dispatcher("capacity", kernels="gpu")
+    with pytest.raises(RuntimeError, match="dispatch.kernels=triton: Triton cannot run here"):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            raise RuntimeError("dispatch.kernels=triton: Triton cannot run here (interpreter set: skip the check)")
+        experts, _ = _experts("mixtral_tiny")
+        make_dispatcher("capacity", kernels="triton").unreduced(experts, torch.zeros(2, 64), torch.zeros(2, 2,
+                                                                dtype=torch.long), torch.ones(2, 2), None, None)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_fused_step_calls_the_capacity_kernels(monkeypatch):
+    """dispatch=capacity under capture.kernels=fused reaches capacity_ops.capacity_experts with the dispatcher's
+    options, the row mask (3 rows in bucket 4) and the counters. The kernels are replaced by their reference here
+    (no Triton on CPU); the tokens and counters then equal the padded path's."""
+    from moecg.kernels import capacity_ops
+
+    calls = []
+
+    def spy(x, idx, w, gate_up, down, valid, counters, **kw):
+        calls.append((valid.clone(), counters is not None, {k: kw[k] for k in ("capacity_factor", "drop_policy",
+                                                                                "renormalize", "min_capacity")}))
+        return ref.capacity_experts(x, idx, w, gate_up, down, valid, counters, **kw)
+
+    monkeypatch.setattr(capacity_ops, "capacity_experts", spy)
+    monkeypatch.setattr(Capacity, "use_triton", lambda self, *a: self.kernels != "torch")
+    model = build_model("qwen2_moe_tiny", dtype="fp32", device="cpu", seed=2).model
+    prompts = torch.randint(0, 512, (3, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(capacity_factor=0.75, drop_policy="position", renormalize=True, min_capacity=2)
+    runs = []
+    for kernels in ("torch", "auto"):
+        attach(model, make_dispatcher("capacity", kernels=kernels, **kw), max_rows=4)
+        eng = DecodeEngine(model, 32, 4)
+        cap = Capture(eng, "capacity", buckets=(4,), backend="emulate", warmup=1, kernels="fused").apply()
+        runs.append((eng.generate(prompts, 5, timing=False, count_prefill=False), state_of(model).snapshot()))
+        cap.unwrap()
+        detach(model)
+    (want, ws), (got, gs) = runs
+    assert calls and all(c[1] and c[2] == kw for c in calls)
+    # capture runs with every row real; each of the 4 decode steps then calls it once per MoE layer, padded
+    assert sum(c[0].tolist() == [True, True, True, False] for c in calls) == 4 * len(model.model.layers)
+    assert ws["dropped_assignments"] > 0
+    assert torch.equal(got.tokens, want.tokens)
+    for k in ("routed", "dropped", "tokens", "tokens_lost_all", "capacity_used"):
+        assert gs[k] == ws[k], k
+
+
+def test_tile_table():
+    """One table: Mixtral-sized experts get their tiles, the others the defaults, the first matching rule wins."""
+    mixtral = moe_tiles(8, 4096, 14336, 8)
+    assert (mixtral.up_n, mixtral.up_k, mixtral.stages) == (32, 256, 3)
+    for shape in ((1, 2048, 1408, 60), (64, 2048, 768, 128), (8, 2880, 2880, 32), (8, 64, 32, 8)):
+        assert moe_tiles(*shape) == DEFAULT == MoeTiles()
+    rule = TileRule(MoeTiles(block_m=32), tokens=(17, 65), hidden=(2048, 2049))
+    assert rule.holds(17, 2048, 1408, 60) and not rule.holds(16, 2048, 1408, 60) and not rule.holds(17, 4096, 1, 1)
+    assert MOE_TILE_RULES[0].holds(1, 4096, 8192, 8) and not MOE_TILE_RULES[0].holds(1, 4096, 8191, 8)
+
+
+def _interp(section, timeout=600):
+    script = Path(__file__).with_name("capacity_interp_check.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(script), section], capture_output=True, text=True, env=env,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ALL OK" in r.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_kernels_match_reference_under_interpreter():
+    """Kept sets, counters and outputs equal ref.capacity_experts: ties, pad rows, min_capacity, several token
+    chunks and slot blocks, GPT-OSS's layout, a factor that drops nothing; the in-kernel C for every count 0..100."""
+    _interp("ops")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_kernels_match_padded_path_on_every_family_under_interpreter():
+    """Each fused family's experts (Mixtral, Qwen2/3-MoE, GLM-4-MoE, OLMoE, GPT-OSS), its router's routing, 6 real
+    of 8 rows: kernels=triton == kernels=torch for three factors and both policies; a huge factor == fused."""
+    _interp("dispatch")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_fused_step_on_every_family_under_interpreter():
+    """Each family's fused decode step, 3 rows run as 4 (a bucket's padding), teacher-forced: the kernels give the
+    padded path's tokens, logits (1e-4) and counters; it drops; a huge factor equals dispatch=fused."""
+    _interp("families")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_kernels_compile_for_hopper():
+    """The capacity kernels and the refactored dropless ones compile to sm_90 machine code on this CPU machine
+    (Triton's bundled ptxas): a lowering or typing error shows here, not first on the GPU."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moecg.kernels import capacity_ops as cap, triton_ops as tri
+
+    types = dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", keep_ptr="*i8", slot_ptr="*i32", nk_ptr="*i32",
+                 cnt_ptr="*i64", drop_ptr="*i64", mass_ptr="*fp32", dmass_ptr="*fp32", cap_ptr="*i64",
+                 calls_ptr="*i64", tok_ptr="*i64", lost_ptr="*i64", alpha="fp32", limit="fp32", cf_bits="i64")
+
+    def build(fn, consts, stages=4):
+        sig = {n: "constexpr" if n in consts else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+               for n in inspect.signature(fn.fn).parameters}
+        try:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": 4, "num_stages": stages})
+        except (FileNotFoundError, RuntimeError) as e:  # no ptxas with this Triton build
+            if "ptxas" in str(e):
+                pytest.skip(f"no ptxas: {e}")
+            raise
+        assert k.asm["cubin"]
+
+    for pos, K in ((False, 8), (True, 2)):
+        build(cap._cap_slots_kernel, dict(K=K, KP=K, POSITION=pos, HAS_VALID=True, COUNT=True, COUNT_CAP=True,
+                                          BLOCK_T=64, BLOCK_D=128))
+    build(cap._cap_up_kernel, dict(K=4, KP=4, HAS_VALID=True, COUNT=True, JM=1, JU=1408, HAS_BIAS=False, ACT=0,
+                                   BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, BLOCK_T=64), stages=3)
+    build(cap._cap_up_kernel, dict(K=4, KP=4, HAS_VALID=False, COUNT=False, JM=2, JU=1, HAS_BIAS=True, ACT=1,
+                                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64))
+    build(cap._cap_down_kernel, dict(K=4, KP=4, RENORM=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))
+    build(tri._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=1, JU=1408, HAS_BIAS=False, ACT=0,
+                                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_S=64))
+    build(tri._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                                     BLOCK_S=64))
