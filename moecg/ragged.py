@@ -20,11 +20,19 @@ windowed 4D mask serves all layers; Qwen2-MoE (and GPT-OSS) accept a {layer type
 mask by config.layer_types, so ragged decode passes that dict. Anything else is refused (ragged_windows).
 
 Slots: requests join with `add` (an eager one-row prefill into a free slot: positions 0..S-1, then lengths[r] = S)
-and leave with `remove` (the last live row moves into the freed slot: K/V rows, length and current token), so the
-live rows stay 0..m-1 and a step runs in the smallest bucket holding m; pad rows (m..B-1) keep length 0, do not
-advance, and are masked in routing (DispatchState.set_rows(m, B)).
+and leave with `remove` (the last live row moves into the freed slot: K/V rows, length, current token and generated
+tokens), so the live rows stay 0..m-1 and a step runs in the smallest bucket holding m; pad rows (m..B-1) keep
+length 0, do not advance, and are masked in routing (DispatchState.set_rows(m, B)).
+
+Host syncs: every step's tokens go to a device buffer per slot (`tok_buf` [B_max, L], `n_tok` [B_max]); the host
+only counts them (a request's output length is known on the host, so no stop condition needs the values).
+`step(sync=False)` / `add(..., sync=False)` / `remove(id, sync=False)` never read the device: remove hands back a
+device copy of the request's tokens, read when the caller likes (moecg.serving reads them after the run).
+The default `sync=True` keeps the host dict API (`step()` -> {request id: token}, `tokens[id]`).
 """
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer
@@ -111,10 +119,12 @@ class RaggedCache:
     def restore_lengths(self, saved) -> None:
         self.lengths.copy_(saved)
 
-    def move(self, src: int, dst: int) -> None:
-        """Copy slot src's K/V rows and length into slot dst (device copies)."""
+    def move(self, src: int, dst: int, n: int | None = None) -> None:
+        """Copy slot src's K/V rows and length into slot dst (device copies); n: only its first n cache slots (the
+        rest are unread: the mask hides slots at or past a row's length, and decode writes before it reads)."""
+        n = self.max_cache_len if n is None else n
         for t in (*self.keys, *self.values):
-            t[dst].copy_(t[src])
+            t[dst, :, :n].copy_(t[src, :, :n])
         self.lengths[dst] = self.lengths[src]
 
 
@@ -147,6 +157,10 @@ class RaggedEngine(DecodeEngine):
     (capturing resets the cache).
     """
 
+    # Whether the fused decode step (moecg.fast, capture.kernels=fused) takes per-row positions. The run plan asks
+    # this one flag before refusing capture.kernels=fused with a serving workload (moecg.plan._check_ragged).
+    fused_step: ClassVar[bool] = False
+
     def __init__(self, model, max_cache_len: int, max_rows: int):
         self.model = model
         p = next(model.parameters())
@@ -157,6 +171,9 @@ class RaggedEngine(DecodeEngine):
         self.cache = RaggedCache(model.config, max_rows, max_cache_len, self.device, self.dtype)
         self.ids = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] current tokens
         self.live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] 1: a live row
+        self.tok_buf = torch.zeros(max_rows, max_cache_len, dtype=torch.long, device=self.device)  # [B_max, L]
+        self.n_tok = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] tokens in tok_buf
+        self._rows_ar = torch.arange(max_rows, device=self.device)  # [B_max]
         self._slots_ar = torch.arange(max_cache_len, device=self.device)  # [L]
         self._additive = model.config._attn_implementation == "eager"
         self.rows_for = lambda n: n
@@ -165,7 +182,8 @@ class RaggedEngine(DecodeEngine):
         # host bookkeeping: slot i holds request order[i]; host copies of each request's length
         self.order: list = []
         self.host_len: dict = {}
-        self.tokens: dict = {}  # request id -> generated tokens (first from the prefill)
+        self.n_generated: dict = {}  # request id -> tokens generated so far (host count, no sync)
+        self.tokens: dict = {}  # request id -> generated tokens (first from the prefill); sync=True calls only
         self.last_logits: torch.Tensor | None = None  # [m, V] of the last step (or prefill for add)
         self.step_rows: list[int] = []
 
@@ -230,8 +248,9 @@ class RaggedEngine(DecodeEngine):
         return len(self.order)
 
     @torch.no_grad()
-    def add(self, request_id, prompt_ids, max_new_tokens: int | None = None) -> int:
-        """Prefill `prompt_ids` [S] into a free slot (eagerly, one row) -> the slot. Its first token is in tokens[id]."""
+    def add(self, request_id, prompt_ids, max_new_tokens: int | None = None, sync: bool = True) -> int:
+        """Prefill `prompt_ids` [S] into a free slot (eagerly, one row) -> the slot. Its first token is in tok_buf
+        (and, with sync=True, in tokens[id]). A prompt already on the device is not copied again."""
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
         S = prompt.numel()
         if request_id in self.host_len:
@@ -254,33 +273,45 @@ class RaggedEngine(DecodeEngine):
         self.live[r] = 1
         first = logits.argmax(-1)  # [1]
         self.ids[r] = first[0]
+        self.tok_buf[r, 0] = first[0]
+        self.n_tok[r] = 1
         self.order.append(request_id)
         self.host_len[request_id] = S
-        self.tokens[request_id] = [int(first[0])]
+        self.n_generated[request_id] = 1
+        if sync:
+            self.tokens[request_id] = [int(first[0])]
         self.last_logits = logits
         return r
 
-    def remove(self, request_id) -> list[int]:
-        """The request leaves; the last live row moves into its slot. Returns its generated tokens."""
+    def remove(self, request_id, sync: bool = True):
+        """The request leaves; the last live row moves into its slot. Returns its generated tokens: a list (one host
+        read), or with sync=False a device tensor [n] (a copy, no sync)."""
         r = self.order.index(request_id)
+        n = self.n_generated.pop(request_id)
+        toks = self.tok_buf[r, :n].clone()  # [n]
         last = self.n_live - 1
         if r != last:
-            self.cache.move(last, r)
+            self.cache.move(last, r, self.host_len[self.order[last]])
             self.ids[r] = self.ids[last]
+            self.tok_buf[r, :self.n_generated[self.order[last]]] = self.tok_buf[last, :self.n_generated[self.order[last]]]
+            self.n_tok[r] = self.n_tok[last]
             self.order[r] = self.order[last]
         self.order.pop()
         self.cache.lengths[last] = 0
         self.live[last] = 0
         self.ids[last] = 0
+        self.n_tok[last] = 0
         del self.host_len[request_id]
-        return self.tokens.pop(request_id)
+        self.tokens.pop(request_id, None)
+        return toks.tolist() if sync else toks
 
     @torch.no_grad()
-    def step(self) -> dict:
-        """One greedy decode step for every live request -> {request id: next token}."""
+    def step(self, sync: bool = True) -> dict | None:
+        """One greedy decode step for every live request -> {request id: next token}; with sync=False the tokens
+        stay on the device (tok_buf) and nothing is returned: no host sync."""
         m = self.n_live
         if m == 0:
-            return {}
+            return {} if sync else None
         full = [rid for rid in self.order if self.host_len[rid] >= self.max_cache_len]
         if full:
             raise CacheOverflowError(f"requests {full} filled their {self.max_cache_len} cache slots: remove them "
@@ -290,11 +321,18 @@ class RaggedEngine(DecodeEngine):
         self._set_rows(m, rows)
         nxt, logits = self.step_impl(self.ids, rows)
         self.ids[:m] = nxt[:m]
+        # row b's token goes to tok_buf[b, n_tok[b]]: device indices, so the host never reads a count
+        self.tok_buf.index_put_((self._rows_ar[:m], self.n_tok[:m]), nxt[:m])
+        self.n_tok[:m] += 1
         self.last_logits = logits[:m]
         self.step_rows.append(rows)
+        for rid in self.order:
+            self.host_len[rid] += 1
+            self.n_generated[rid] += 1
+        if not sync:
+            return None
         out = {}
         for rid, t in zip(self.order, nxt[:m].tolist()):
-            self.host_len[rid] += 1
             self.tokens[rid].append(t)
             out[rid] = t
         return out
