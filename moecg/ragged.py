@@ -128,17 +128,16 @@ class RaggedCache:
         self.lengths[dst] = self.lengths[src]
 
 
-def ragged_windows(model):
+def ragged_windows(config, attn_implementation: str):
     """How the 4D mask carries sliding windows -> (kind, window): ("none", 0) one causal mask; ("all", w) one mask
     windowed to w for every layer; ("layer_types", w) a {layer type: mask} dict (Qwen2-MoE and GPT-OSS take one
-    and pick each layer's mask by config.layer_types). Refuses what a 4D mask cannot express."""
-    config = model.config
-    adapter = adapter_for(model)
+    and pick each layer's mask by config.layer_types). Refuses what a 4D mask cannot express. Reads only the config,
+    so the run plan asks it before any model is built."""
+    adapter = adapter_for(config)
     windows = adapter.attention_windows(config)
-    impl = config._attn_implementation
-    if impl not in ("sdpa", "eager"):
-        raise ValueError(f"ragged decode builds its own 4D attention mask: attn_implementation={impl!r} is not "
-                         "supported (use sdpa or eager)")
+    if attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"ragged decode builds its own 4D attention mask: attn_implementation="
+                         f"{attn_implementation!r} is not supported (use sdpa or eager)")
     if not any(windows):
         return "none", 0
     if all(w == windows[0] for w in windows):
@@ -167,7 +166,7 @@ class RaggedEngine(DecodeEngine):
         self.device, self.dtype = p.device, p.dtype
         self.max_cache_len, self.max_rows = max_cache_len, max_rows
         adapter_for(model).check_supported(model.config, "hf")
-        self._windows = ragged_windows(model)
+        self._windows = ragged_windows(model.config, model.config._attn_implementation)
         self.cache = RaggedCache(model.config, max_rows, max_cache_len, self.device, self.dtype)
         self.ids = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] current tokens
         self.live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] 1: a live row
