@@ -87,7 +87,8 @@ def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def summary_table(df: pd.DataFrame) -> pd.DataFrame:
-    return df[[c for c in TABLE if c in df]]
+    # serving columns only where some row served (a sweep of fixed batches keeps today's table)
+    return df[[c for c in TABLE if c in df and not (c in schema.SERVING and df[c].isna().all())]]
 
 
 # -- analytic drop rate -----------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from moecg.logger import make_logger
-from moecg.schema import SUMMARY
+from moecg.schema import SERVING, SUMMARY
 
 def _fmt(v):
     if isinstance(v, float):
@@ -28,6 +28,8 @@ def print_summary(res: dict) -> None:
     table.add_column("field")
     table.add_column("value")
     for k in SUMMARY:
+        if k in SERVING and res.get(k) is None:
+            continue  # a fixed batch (or no anchor): the serving fields do not apply
         table.add_row(k, _fmt(res.get(k)))
     console = Console()
     console.print(table)
@@ -79,7 +81,10 @@ def _run_with_progress(cfg) -> dict:
     phases = Phases()
     plan = plan_of(cfg, phases)  # validated first: the bar's total is read from the plan, not the raw config
     with Progress(transient=True) as bar:
-        task = bar.add_task("decode (timed repeats)", total=plan.measure.repeats * max(plan.new_tokens - 1, 1))
+        if plan.serving:
+            task = bar.add_task("requests served", total=plan.workload.n_requests)
+        else:
+            task = bar.add_task("decode (timed repeats)", total=plan.measure.repeats * max(plan.new_tokens - 1, 1))
         return run_experiment(plan, progress=lambda: bar.advance(task), phases=phases)
 
 
