@@ -98,6 +98,8 @@ def _record_failure(cfg, e: BaseException, results_path: Path) -> None:
     axes = {"model": cfg.model.preset or cfg.model.pretrained_path, "strategy": cfg.strategy.name,
             "dispatch": d.name, "capacity_factor": d.get("capacity_factor"), "drop_policy": d.get("drop_policy"),
             "batch_size": cfg.batch_size}
+    w = cfg.get("workload") or {}
+    axes.update(workload=w.get("name", "fixed"), workload_rate=w.get("rate"), max_batch=w.get("max_batch"))
     err = failed_record(e.error if isinstance(e, JobProcessError) else f"{type(e).__name__}: {e}",
                         getattr(e, "moecg_phase", "setup"),
                         getattr(e, "child_traceback", None) or traceback.format_exc(),
