@@ -285,7 +285,7 @@ def _serve(plan: RunPlan, progress, phases: Phases) -> dict:
         warm(engine, prompts[0])
     state.reset()
     with phases("serve", wl.describe()):
-        tl = serve(engine, reqs, prompts, wl.max_batch, progress=progress)
+        tl = serve(engine, reqs, prompts, wl.max_batch, prefill_tokens=wl.prefill_tokens, progress=progress)
     drops = state.snapshot()
     stats = cap.stats()
     out: dict = {n: None for n in NAMES}

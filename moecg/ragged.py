@@ -20,7 +20,7 @@ windowed 4D mask serves all layers; Qwen2-MoE (and GPT-OSS) accept a {layer type
 mask by config.layer_types, so ragged decode passes that dict. Anything else is refused (ragged_windows).
 
 Slots: requests join with `add` (an eager one-row prefill into a free slot: positions 0..S-1, then lengths[r] = S)
-and leave with `remove` (the last live row moves into the freed slot: K/V rows, length, current token and generated
+or `add_many` (one eager forward over several right-padded prompts into consecutive free slots) and leave with `remove` (the last live row moves into the freed slot: K/V rows, length, current token and generated
 tokens), so the live rows stay 0..m-1 and a step runs in the smallest bucket holding m; pad rows (m..B-1) keep
 length 0, do not advance, and are masked in routing (DispatchState.set_rows(m, B)).
 
@@ -102,10 +102,13 @@ class RaggedCache:
             self._views[rows] = self._make(slice(0, rows))
         return self._views[rows]
 
-    def slot(self, r: int) -> Cache:
-        if r not in self._slots:
-            self._slots[r] = self._make(slice(r, r + 1))
-        return self._slots[r]
+    def slot(self, r: int, k: int = 1) -> Cache:
+        """Slots r .. r+k-1 (a prefill's rows)."""
+        if (r, k) not in self._slots:
+            if r + k > self.max_rows:
+                raise ValueError(f"slots {r}..{r + k - 1} exceed the cache's {self.max_rows}")
+            self._slots[(r, k)] = self._make(slice(r, r + k))
+        return self._slots[(r, k)]
 
     # the interface Capture and DecodeEngine.scratch use
     def reset(self) -> None:
@@ -173,6 +176,7 @@ class RaggedEngine(DecodeEngine):
         self.tok_buf = torch.zeros(max_rows, max_cache_len, dtype=torch.long, device=self.device)  # [B_max, L]
         self.n_tok = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] tokens in tok_buf
         self._rows_ar = torch.arange(max_rows, device=self.device)  # [B_max]
+        self._plen = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] a batched prefill's lengths
         self._slots_ar = torch.arange(max_cache_len, device=self.device)  # [L]
         self._additive = model.config._attn_implementation == "eager"
         self.rows_for = lambda n: n
@@ -221,13 +225,14 @@ class RaggedEngine(DecodeEngine):
         return m
 
     @torch.no_grad()
-    def _run(self, ids: torch.Tensor, cache: Cache, lengths: torch.Tensor, decode: bool) -> torch.Tensor:
-        """ids [B, S] on `cache` (rows with lengths [B]) -> last-position logits [B, V]."""
+    def _run(self, ids: torch.Tensor, cache: Cache, lengths: torch.Tensor, decode: bool, keep=1) -> torch.Tensor:
+        """ids [B, S] on `cache` (rows with lengths [B]) -> logits [B, V] at the last position, or at each row's
+        position keep [B, 1] (a right-padded batch of prompts)."""
         S = ids.shape[1]
         pos = lengths[:, None] + torch.arange(S, device=self.device)  # [B, S]
         call = self.decode_forward if decode and self.decode_forward is not None else self.model
         out = call(input_ids=ids, attention_mask=self._mask(pos), position_ids=pos, cache=cache, use_cache=True,
-                   logits_to_keep=1, output_router_logits=False)
+                   logits_to_keep=keep, output_router_logits=False)
         return out.logits[:, -1]
 
     def forward(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
@@ -281,6 +286,62 @@ class RaggedEngine(DecodeEngine):
             self.tokens[request_id] = [int(first[0])]
         self.last_logits = logits
         return r
+
+    @torch.no_grad()
+    def add_many(self, request_ids, prompts, max_new_tokens=None, sync: bool = True) -> list[int]:
+        """Prefill several requests in one forward (eagerly) into consecutive free slots -> their slots.
+
+        The prompts [S_j] are right-padded to the longest: row j's real tokens sit at positions 0..S_j-1 and its
+        logits are taken at S_j-1 (logits_to_keep per row); the pad tokens' keys land in slots >= S_j, which the mask
+        hides until decode overwrites them, one slot per step, before reading. Pad tokens are routed like real ones:
+        a prefill dispatcher that drops (capacity) would let them take capacity, so callers prefill such requests
+        one by one (moecg.serving does). A single request is `add`."""
+        ids = list(request_ids)
+        k = len(ids)
+        news = list(max_new_tokens) if max_new_tokens is not None else [None] * k
+        if k == 1:
+            return [self.add(ids[0], prompts[0], news[0], sync=sync)]
+        toks = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+        lens = [t.numel() for t in toks]
+        for rid, S, n in zip(ids, lens, news):
+            if rid in self.host_len or ids.count(rid) > 1:
+                raise ValueError(f"request {rid!r} is already running")
+            need = S + (n if n is not None else 1)
+            if S < 1 or need > self.max_cache_len:
+                raise CacheOverflowError(
+                    f"request {rid!r}: prompt of {S} tokens + {n or 1} new = {need} exceeds the KV cache "
+                    f"({self.max_cache_len} slots per row): shorten it or raise max_cache_len")
+        if self.n_live + k > self.max_rows:
+            raise ValueError(f"{k} requests need {k} free slots and {self.max_rows - self.n_live} are free: remove "
+                             "finished requests first (or raise max_rows)")
+        r = self.n_live
+        S_max = max(lens)
+        padded = torch.zeros(k, S_max, dtype=torch.long, device=self.device)  # [k, S_max]
+        for j, t in enumerate(toks):
+            padded[j, :lens[j]] = t.to(self.device)
+            self._plen[r + j] = lens[j]  # a host scalar into a device tensor: no sync
+        keep = (self._plen[r:r + k] - 1)[:, None]  # [k, 1] each row's last real position
+        state = state_of(self.model)
+        if state is not None:
+            state.set_rows(k, k)
+        self.cache.lengths[r:r + k] = 0
+        with (state.prefill() if state is not None else _null()), (state.rows(k) if state is not None else _null()):
+            logits = self._run(padded, self.cache.slot(r, k), self.cache.lengths[r:r + k], False, keep)  # [k, V]
+        first = logits.argmax(-1)  # [k]
+        self.cache.lengths[r:r + k] = self._plen[r:r + k]
+        self.live[r:r + k] = 1
+        self.ids[r:r + k] = first
+        self.tok_buf[r:r + k, 0] = first
+        self.n_tok[r:r + k] = 1
+        host = first.tolist() if sync else None
+        for j, rid in enumerate(ids):
+            self.order.append(rid)
+            self.host_len[rid] = lens[j]
+            self.n_generated[rid] = 1
+            if sync:
+                self.tokens[rid] = [host[j]]
+        self.last_logits = logits
+        return list(range(r, r + k))
 
     def remove(self, request_id, sync: bool = True):
         """The request leaves; the last live row moves into its slot. Returns its generated tokens: a list (one host

@@ -3,7 +3,9 @@
 Dims: B rows a step runs (its bucket), m live requests, B_max slots, S prompt tokens, L cache slots.
 
 One iteration of `serve`: admit the requests whose arrival time has passed, first come first served, while fewer
-than max_batch are live (each prefilled eagerly, one row: RaggedEngine.add); run one decode step for the live ones;
+than max_batch are live (prefilled eagerly: consecutive admissions together in one right-padded forward of at most
+`prefill_tokens` padded tokens, RaggedEngine.add_many; one by one when the prefill dispatcher drops, since pad tokens
+would take capacity, or with prefill_tokens=0); run one decode step for the live ones;
 let the finished ones leave (output lengths are known on the host, so no token is read to decide). Nothing in the
 loop reads the device: tokens stay in the engine's device buffer until a request leaves (a device copy, read after
 the run), and every timestamp is a CUDA event on a GPU (perf_counter on CPU), resolved after the run against a
@@ -132,7 +134,8 @@ def _not_counting(state):
 
 # -- the loop ---------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def serve(engine, requests, prompts, max_batch: int, *, lookahead: int = 2, progress=None) -> Timeline:
+def serve(engine, requests, prompts, max_batch: int, *, prefill_tokens: int = 8192, lookahead: int = 2,
+          progress=None) -> Timeline:
     """Serve `requests` (moecg.workload.Request, ascending arrival_s) with their `prompts` ([S] ids each) on
     `engine` (a RaggedEngine, captures applied), at most max_batch at once -> the Timeline, tokens included."""
     if max_batch > engine.max_rows:
@@ -142,6 +145,8 @@ def serve(engine, requests, prompts, max_batch: int, *, lookahead: int = 2, prog
     prompt_of = {r.id: p.to(engine.device) for r, p in zip(requests, prompts)}  # uploaded before the clock starts
     state = state_of(engine.model)
     drops = DropsByBatch(state, engine.max_rows) if state is not None and state.dispatcher.drops else None
+    prefiller = (state.prefill_dispatcher or state.dispatcher) if state is not None else None
+    budget = 0 if prefiller is not None and prefiller.drops else prefill_tokens
     clock = Clock(engine.device)
     out_len = {r.id: r.output_len for r in requests}
     marks: dict = {}  # id -> [prefill start, prefill end, last step end]
@@ -159,16 +164,21 @@ def serve(engine, requests, prompts, max_batch: int, *, lookahead: int = 2, prog
     clock.start()
     while pending or engine.n_live:
         now = clock.now()
-        while pending and pending[0].arrival_s <= now and engine.n_live < max_batch:
-            r = pending.popleft()
+        admitted = []
+        while pending and pending[0].arrival_s <= now and engine.n_live + len(admitted) < max_batch:
+            admitted.append(pending.popleft())
+        for group in prefill_groups(admitted, budget):
             a = clock.mark()
             with _not_counting(state):
-                engine.add(r.id, prompt_of[r.id], r.output_len, sync=False)
+                engine.add_many([r.id for r in group], [prompt_of[r.id] for r in group],
+                                [r.output_len for r in group], sync=False)
             b = clock.mark()
-            marks[r.id] = [a, b, None]
             prefills.append((a, b))
-            if r.output_len == 1:
-                leave(r.id, b)
+            for r in group:
+                marks[r.id] = [a, b, None]
+            for r in group:
+                if r.output_len == 1:
+                    leave(r.id, b)
         if not engine.n_live:
             if pending:
                 time.sleep(max(0.0, pending[0].arrival_s - clock.now()))
@@ -196,6 +206,19 @@ def serve(engine, requests, prompts, max_batch: int, *, lookahead: int = 2, prog
     return Timeline(times, [Step(sec(s), sec(e), m, rows, w) for s, e, m, rows, w in steps],
                     [(sec(a), sec(b)) for a, b in prefills], {rid: t.tolist() for rid, t in out.items()},
                     drops.read() if drops is not None else None)
+
+
+def prefill_groups(requests, budget: int) -> list[list]:
+    """Consecutive requests (admission order) in groups whose right-padded prompts (rows x longest) stay within
+    `budget` tokens; budget 0: one request per group."""
+    groups: list[list] = []
+    for r in requests:
+        g = groups[-1] if groups else None
+        if g and budget and (len(g) + 1) * max(r.prompt_len, *(x.prompt_len for x in g)) <= budget:
+            g.append(r)
+        else:
+            groups.append([r])
+    return groups
 
 
 @torch.no_grad()

@@ -23,8 +23,9 @@ from moecg.plan import PlanError, _bool, _float, _int
 NAMES = ("fixed", "poisson", "trace")
 KEYS = {  # the keys each workload reads (its YAML file's); anything else is refused
     "fixed": ("name",),
-    "poisson": ("name", "rate", "n_requests", "prompt_len", "output_len", "max_batch", "seed", "anchor"),
-    "trace": ("name", "file", "max_batch", "seed", "anchor"),
+    "poisson": ("name", "rate", "n_requests", "prompt_len", "output_len", "max_batch", "prefill_tokens", "seed",
+                "anchor"),
+    "trace": ("name", "file", "max_batch", "prefill_tokens", "seed", "anchor"),
 }
 TRACE_FIELDS = ("arrival_s", "prompt_len", "output_len")
 SAMPLE_TRACE = Path(__file__).resolve().parent / "data" / "sample_trace.jsonl"
@@ -46,6 +47,7 @@ class WorkloadPlan:
     requests: tuple[Request, ...] = ()
     prompts: tuple = field(default=(), repr=False, compare=False)  # per request: [S] int64 host tensor
     max_batch: int | None = None  # requests decoded at once at most (serving only)
+    prefill_tokens: int = 0  # padded prompt tokens one batched prefill may hold (0: one request per prefill)
     rate: float | None = None  # poisson: requests per second
     file: str | None = None  # trace: the file's name, without its directory (results carry no machine paths)
     seed: int | None = None
@@ -104,6 +106,7 @@ def resolve_workload(w, *, vocab: int, prompts_kind: str, max_cache_len, max_pos
                         f"{', '.join(k for k in KEYS[name] if k != 'name')}): fix the spelling or drop it")
     seed = default_seed if d.get("seed") is None else _int(d["seed"], "workload.seed", None, 0)
     max_batch = _int(d.get("max_batch"), "workload.max_batch", 1, 8)
+    prefill_tokens = _int(d.get("prefill_tokens", 8192), "workload.prefill_tokens", 0, 8192)
     anchor = _bool(d.get("anchor", False), "workload.anchor")
     if prompts_kind == "file":
         raise PlanError(f"prompts=file gives fixed-length rows; workload={name} draws each request's prompt: use "
@@ -141,7 +144,7 @@ def resolve_workload(w, *, vocab: int, prompts_kind: str, max_cache_len, max_pos
             raise PlanError(f"max_cache_len={cache} exceeds the model's max_position_embeddings={max_positions}: "
                             f"lower it (at most {max_positions})")
     prompts = tuple(request_prompt(prompts_kind, r, seed, vocab) for r in requests)
-    return WorkloadPlan(name, tuple(requests), prompts, max_batch, rate, file, seed, anchor), cache
+    return WorkloadPlan(name, tuple(requests), prompts, max_batch, prefill_tokens, rate, file, seed, anchor), cache
 
 
 # -- poisson -------------------------------------------------------------------------------------------------------

@@ -68,6 +68,35 @@ def test_served_tokens_equal_each_request_alone_without_recapture(model, strateg
         detach(m)
 
 
+def test_batched_prefills_give_each_request_alone(model):
+    """Everything arrives at once: admissions prefill together, right-padded (RaggedEngine.add_many)."""
+    from dataclasses import replace
+
+    m, alone = model
+    at_once = [replace(r, arrival_s=0.0) for r in REQS]
+    attach(m, make_dispatcher("dropless"), max_rows=4)
+    try:
+        eng = RaggedEngine(m, L, 4)
+        Capture(eng, "full", buckets=[1, 2, 4], backend="emulate").apply()
+        tl = serve(eng, at_once, PROMPTS, max_batch=4)
+        assert tl.tokens == alone
+        assert len(tl.prefills) < len(REQS)  # the first four at least shared one forward
+        one_by_one = serve(eng, at_once, PROMPTS, max_batch=4, prefill_tokens=0)
+        assert one_by_one.tokens == alone and len(one_by_one.prefills) == len(REQS)
+    finally:
+        detach(m)
+
+
+def test_prefill_groups_respect_the_token_budget():
+    from moecg.serving import prefill_groups
+
+    reqs = [Request(i, 0.0, p, 2) for i, p in enumerate([4, 8, 2, 10, 3])]
+    ids = lambda gs: [[r.id for r in g] for g in gs]  # noqa: E731
+    assert ids(prefill_groups(reqs, 16)) == [[0, 1], [2], [3], [4]]  # 2 x 8 fits, 3 x 8 does not
+    assert ids(prefill_groups(reqs, 30)) == [[0, 1, 2], [3, 4]]
+    assert ids(prefill_groups(reqs, 0)) == [[0], [1], [2], [3], [4]]
+
+
 def test_sync_free_step_gives_the_syncing_steps_tokens(model):
     m, alone = model
     attach(m, make_dispatcher("dropless"), max_rows=3)
@@ -99,6 +128,7 @@ def test_capacity_drops_per_batch_size(model):
         eng = RaggedEngine(m, L, 4)
         Capture(eng, "capacity", buckets=[1, 2, 4], backend="emulate").apply()
         tl = serve(eng, REQS, PROMPTS, max_batch=3)
+        assert len(tl.prefills) == len(REQS)  # a prefill that drops runs one request at a time (no pad tokens)
         metrics = step_metrics(tl.steps, tl.prefills, tl.drops_by_batch)
         by = metrics["drop_rate_by_batch"]
         assert set(by) == {str(s.batch) for s in tl.steps}
