@@ -255,3 +255,29 @@ def test_serving_sweep_and_plot(tmp_path):
     fig = analysis.plot_serving(df)
     assert len(fig.axes[0].lines) == 4  # one per strategy x dispatch
     plt.close(fig)
+
+
+@pytest.mark.slow
+def test_bench_serving_cpu_smoke(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, str(root / "experiments" / "bench_serving.py"), "--preset", "mixtral_tiny",
+                        "--device", "cpu", "--backend", "emulate", "--requests", "4", "3", "--max-batch", "4", "2",
+                        "--prompt", "3", "9", "--new", "4", "--exact-requests", "3", "--exact-batch", "2",
+                        "--variants", "full", "capacity", "full+fused", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads((tmp_path / "serving.json").read_text())["rows"]
+    assert data["exactness"]["bit_exact_fraction"] == 1.0 and data["exactness"]["teacher_forced_agreement"] == 1.0
+    assert [pair["max_batch"] for pair in data["pairs"]] == [4, 2]
+    for pair in data["pairs"]:
+        rows = {r["variant"]: r for r in pair["rows"]}
+        assert set(rows) == {"transformers CB", "full", "capacity", "full+fused"}
+        assert rows["transformers CB"]["output_tokens"] == rows["full"]["output_tokens"] == 4 * pair["requests"]
+        assert rows["full"]["anchor_agreement"] == 1.0 and rows["full"]["captured"] is True
+        assert rows["capacity"]["drop_rate"] > 0
+        assert "error" in rows["full+fused"] or rows["full+fused"]["output_tokens"] == 4 * pair["requests"]
+    assert "| transformers CB |" in (tmp_path / "serving.md").read_text()
