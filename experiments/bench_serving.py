@@ -12,8 +12,9 @@ same model, same requests, same process; and the exactness of continuous batchin
     agreement, teacher-forced agreement (every step fed the alone tokens).
 (b) throughput: for each (max batch, requests) pair, every request arriving at t=0 (as generate_batch submits
     them) with prompts uniform in --prompt and --new tokens each: transformers' continuous batching (moecg.anchor:
-    its CUDA graphs on, HF's grouped_mm experts), then each moecg variant (--variants: full, capacity (cf 1.25),
-    partial, full+fused = capture.kernels=fused dispatch=fused); a variant that fails is reported, not fatal.
+    its CUDA graphs on, HF's grouped_mm experts), then each moecg variant (--variants: full, capacity (cf 1.25,
+    prefills dropless so they batch), partial, full+fused = capture.kernels=fused dispatch=fused); moecg prefills
+    admissions together up to --prefill-tokens padded tokens; a variant that fails is reported, not fatal.
     Reported: output tokens/s, p90 TPOT, p90 TTFT, p90 e2e, decode step p50, GPU idle share between decode steps,
     padding waste, drop rate, greedy agreement with the anchor's tokens.
 Writes DIR/serving.md (tables) and DIR/serving.json (every row and the environment) with --out.
@@ -44,11 +45,13 @@ from moecg.serving import decode_alone, request_metrics, serve, step_metrics, wa
 from moecg.workload import Request, request_prompt
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-VARIANTS = {  # name -> (strategy, dispatch, dispatcher options, capture.kernels)
-    "full": ("full", "dropless", {}, "hf"),
-    "capacity": ("capacity", "capacity", {"capacity_factor": 1.25}, "hf"),
-    "partial": ("partial", "dropless", {}, "hf"),
-    "full+fused": ("full", "fused", {}, "fused"),
+VARIANTS = {  # name -> (strategy, dispatch, dispatcher options, capture.kernels, dispatch.prefill)
+    "full": ("full", "dropless", {}, "hf", None),
+    # prefills dropless (dispatch.prefill=dropless): a prefill that drops runs one request at a time (pad tokens
+    # would take capacity), and the drop study is of decode
+    "capacity": ("capacity", "capacity", {"capacity_factor": 1.25}, "hf", "dropless"),
+    "partial": ("partial", "dropless", {}, "hf", None),
+    "full+fused": ("full", "fused", {}, "fused", None),
 }
 
 
@@ -64,9 +67,10 @@ def free(dev) -> None:
         torch.cuda.empty_cache()
 
 
-def engine_with(model, strategy, dispatch, kw, kernels, rows, cache_len, backend):
+def engine_with(model, strategy, dispatch, kw, kernels, rows, cache_len, backend, prefill=None):
     """A RaggedEngine of `rows` slots with the strategy captured for every bucket up to rows -> (engine, capture)."""
-    attach(model, make_dispatcher(dispatch, **kw), max_rows=rows)
+    state = attach(model, make_dispatcher(dispatch, **kw), max_rows=rows)
+    state.prefill_dispatcher = make_dispatcher(prefill) if prefill else None
     eng = RaggedEngine(model, cache_len, rows)
     t0 = time.perf_counter()
     cap = Capture(eng, strategy, buckets=[b for b in BUCKETS if b <= rows], backend=backend, kernels=kernels).apply()
@@ -134,11 +138,12 @@ def metrics_row(label, times, tl=None, **extra) -> dict:
 
 
 def variant_row(model, name, reqs, prompts, max_batch, cache_len, args, dev, anchor_tokens) -> dict:
-    strategy, dispatch, kw, kernels = VARIANTS[name]
+    strategy, dispatch, kw, kernels, prefill = VARIANTS[name]
     rows = max(bucket_for(max_batch, BUCKETS) or max_batch, max_batch)
     eng = cap = None
     try:
-        eng, cap, capture_s = engine_with(model, strategy, dispatch, kw, kernels, rows, cache_len, args.backend)
+        eng, cap, capture_s = engine_with(model, strategy, dispatch, kw, kernels, rows, cache_len, args.backend,
+                                          prefill)
         warm(eng, prompts[0])
         state = state_of(model)
         state.reset()
