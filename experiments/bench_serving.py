@@ -18,8 +18,8 @@ same model, same requests, same process; and the exactness of continuous batchin
     Reported: output tokens/s, p90 TPOT, p90 TTFT, p90 e2e, decode step p50, GPU idle share between decode steps,
     padding waste, drop rate, greedy agreement with the anchor's tokens.
 Writes DIR/serving.md (tables) and DIR/serving.json (every row and the environment) with --out.
-Expected on an H200: ~3-4 min (model build ~10 s, exactness ~30 s, per pair: the anchor's warm-up and run ~20-40 s,
-each variant ~10 s); --quick ~1 min.
+Expected on an H200 (estimated, not yet measured): ~3-4 min (model build ~10 s, exactness ~30 s, per pair: the
+anchor's warm-up and run ~20-40 s, each variant ~10 s); --quick ~1-2 min.
 """
 from __future__ import annotations
 
