@@ -148,7 +148,6 @@ class RunPlan:
 def resolve_plan(cfg) -> RunPlan:
     """Validate the whole config (no CUDA kernels run) and return the frozen plan."""
     from moecg.models import resolve_device, resolve_dtype
-
     from moecg.workload import FIXED, resolve_workload, workload_name
 
     batch = _int(cfg.batch_size, "batch_size", 1, 4)
@@ -160,8 +159,8 @@ def resolve_plan(cfg) -> RunPlan:
         max_cache_len = prompt_len + new_tokens if cfg.max_cache_len is None else \
             _int(cfg.max_cache_len, "max_cache_len", 1, prompt_len + new_tokens)
         if prompt_len + new_tokens > max_cache_len:
-            raise PlanError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds max_cache_len={max_cache_len}: "
-                            "raise max_cache_len (or leave it null) or lower new_tokens")
+            raise PlanError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds max_cache_len="
+                            f"{max_cache_len}: raise max_cache_len (or leave it null) or lower new_tokens")
     try:
         device = resolve_device(cfg.device)
     except ValueError as e:

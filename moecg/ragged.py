@@ -20,8 +20,9 @@ windowed 4D mask serves all layers; Qwen2-MoE (and GPT-OSS) accept a {layer type
 mask by config.layer_types, so ragged decode passes that dict. Anything else is refused (ragged_windows).
 
 Slots: requests join with `add` (an eager one-row prefill into a free slot: positions 0..S-1, then lengths[r] = S)
-or `add_many` (one eager forward over several right-padded prompts into consecutive free slots) and leave with `remove` (the last live row moves into the freed slot: K/V rows, length, current token and generated
-tokens), so the live rows stay 0..m-1 and a step runs in the smallest bucket holding m; pad rows (m..B-1) keep
+or `add_many` (one eager forward over several right-padded prompts into consecutive free slots) and leave with
+`remove` (the last live row moves into the freed slot: K/V rows, length, current token and generated tokens), so the
+live rows stay 0..m-1 and a step runs in the smallest bucket holding m; pad rows (m..B-1) keep
 length 0, do not advance, and are masked in routing (DispatchState.set_rows(m, B)).
 
 Host syncs: every step's tokens go to a device buffer per slot (`tok_buf` [B_max, L], `n_tok` [B_max]); the host
@@ -353,7 +354,8 @@ class RaggedEngine(DecodeEngine):
         if r != last:
             self.cache.move(last, r, self.host_len[self.order[last]])
             self.ids[r] = self.ids[last]
-            self.tok_buf[r, :self.n_generated[self.order[last]]] = self.tok_buf[last, :self.n_generated[self.order[last]]]
+            n_last = self.n_generated[self.order[last]]
+            self.tok_buf[r, :n_last] = self.tok_buf[last, :n_last]
             self.n_tok[r] = self.n_tok[last]
             self.order[r] = self.order[last]
         self.order.pop()

@@ -311,7 +311,8 @@ def step_metrics(steps: list[Step], prefills, drops_by_batch: dict | None) -> di
     rows_run = sum(s.rows for s in steps)
     return {
         "decode_steps": len(steps), "step_ms": ms, "step_batch": [s.batch for s in steps],
-        "ms_per_token_p50": percentile(ms, 0.5) if ms else None, "ms_per_token_p90": percentile(ms, 0.9) if ms else None,
+        "ms_per_token_p50": percentile(ms, 0.5) if ms else None,
+        "ms_per_token_p90": percentile(ms, 0.9) if ms else None,
         "batch_size_hist": {str(k): v for k, v in sorted(batch_hist.items())},
         "bucket_hist": {str(k): v for k, v in sorted(rows_hist.items())},
         "padding_waste": (rows_run - sum(s.batch for s in steps)) / rows_run if rows_run else None,

@@ -281,3 +281,21 @@ def test_bench_serving_cpu_smoke(tmp_path):
         assert rows["capacity"]["drop_rate"] > 0
         assert "error" in rows["full+fused"] or rows["full+fused"]["output_tokens"] == 4 * pair["requests"]
     assert "| transformers CB |" in (tmp_path / "serving.md").read_text()
+
+
+def test_wandb_gets_the_step_batch_series():
+    from types import SimpleNamespace
+
+    from moecg.logger import WandbLogger
+
+    logged = []
+    run = SimpleNamespace(log=logged.append, summary={})
+    table = lambda **k: k  # noqa: E731
+    wb = SimpleNamespace(Table=table, plot=SimpleNamespace(bar=lambda *a, **k: None))
+    lg = object.__new__(WandbLogger)
+    lg.wandb, lg.run = wb, run
+    lg.log_results({"step_ms": [1.5, 2.5, 3.0], "step_batch": [1, 3, 2], "per_layer_drop_rate": [], "workload": "trace"})
+    steps = [r for r in logged if "step_ms" in r]
+    assert steps == [{"step_ms": 1.5, "decode_step": 0, "batch_size": 1}, {"step_ms": 2.5, "decode_step": 1, "batch_size": 3},
+                     {"step_ms": 3.0, "decode_step": 2, "batch_size": 2}]
+    assert run.summary["workload"] == "trace"
