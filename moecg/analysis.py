@@ -1,6 +1,6 @@
 """Results -> a DataFrame, the analytic uniform-routing drop rate, and the plots the notebook shows.
 
-  python -m moecg.analysis DIR [DIR...] [--csv out.csv]
+  python -m moecg.analysis DIR [DIR...] [--csv out.csv] [--serving-plot out.png [--latency e2e_ms_p90]]
 
 Dims: T tokens per MoE layer call (= batch rows during decode), K top-k, E experts, C capacity per expert.
 A results file is `run.py`'s results.json (one job, ok or failed), or any JSON file holding one such dict or a
@@ -87,7 +87,8 @@ def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def summary_table(df: pd.DataFrame) -> pd.DataFrame:
-    return df[[c for c in TABLE if c in df]]
+    # serving columns only where some row served (a sweep of fixed batches keeps today's table)
+    return df[[c for c in TABLE if c in df and not (c in schema.SERVING and df[c].isna().all())]]
 
 
 # -- analytic drop rate -----------------------------------------------------------------------------------------
@@ -228,11 +229,50 @@ def plot_quality(df: pd.DataFrame, axes=None):
     return fig
 
 
+def serving_rows(df: pd.DataFrame) -> pd.DataFrame:
+    df = ok_rows(df)
+    if not _has(df, "output_tokens_per_s"):
+        return df.iloc[0:0]
+    return df[df["output_tokens_per_s"].notna()]
+
+
+def plot_serving(df: pd.DataFrame, ax=None, latency: str = "tpot_ms_p90"):
+    """Serving runs: `latency` (tpot_ms_p90, e2e_ms_p90, ttft_ms_p90...) against output tokens/s, one line per
+    strategy x dispatch through its arrival rates (labels: workload.rate), transformers' continuous batching dashed
+    where the runs measured it (workload.anchor=true)."""
+    fig, ax = _axes(ax)
+    df = serving_rows(df)
+    if df.empty or not _has(df, latency):
+        _empty(ax, "no serving results (workload=poisson or trace)")
+        return fig
+    for label, g in _lines(df, ["strategy", "dispatch"], vary=("model", "max_batch", "kernels")):
+        g = g.sort_values("workload_rate" if _has(g, "workload_rate") else "output_tokens_per_s")
+        ax.plot(g["output_tokens_per_s"], g[latency], marker="o", label=label)
+        if _has(g, "workload_rate"):
+            for _, r in g.iterrows():
+                ax.annotate(f"{r['workload_rate']:g}", (r["output_tokens_per_s"], r[latency]), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points")
+    anchor = f"anchor_{latency}"
+    if _has(df, "anchor_output_tokens_per_s", anchor):
+        a = df[df["anchor_output_tokens_per_s"].notna()]
+        for label, g in _lines(a, ["model"], vary=("max_batch",)):
+            g = g.groupby("workload_rate" if _has(g, "workload_rate") else "max_batch", as_index=False)[
+                ["anchor_output_tokens_per_s", anchor]].median()
+            ax.plot(g["anchor_output_tokens_per_s"], g[anchor], ls="--", marker="x", color="grey",
+                    label=f"transformers CB {label}")
+    ax.set(xlabel="output tokens / s", ylabel=latency.replace("_", " "),
+           title=f"serving: {latency} vs throughput (labels: req/s)")
+    ax.legend(fontsize=8)
+    return fig
+
+
 # -- CLI -----------------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moecg.analysis", description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="+", help="results.json files, run/multirun dirs, or dirs of committed results")
     ap.add_argument("--csv", help="also write every row (lists as JSON) to this CSV file")
+    ap.add_argument("--serving-plot", metavar="PNG", help="also plot serving runs' latency against output tokens/s")
+    ap.add_argument("--latency", default="tpot_ms_p90", help="the serving plot's latency field (default tpot_ms_p90)")
     args = ap.parse_args(argv)
     try:
         df = load_results(*args.paths)
@@ -251,6 +291,13 @@ def main(argv=None) -> int:
         flat = flat.apply(lambda s: s.map(lambda v: json.dumps(v) if isinstance(v, (list, dict)) else v))
         flat.to_csv(args.csv, index=False)
         print(f"csv: {args.csv} ({len(flat)} rows)")
+    if args.serving_plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        fig = plot_serving(df, latency=args.latency)
+        fig.savefig(args.serving_plot, dpi=120, bbox_inches="tight")
+        print(f"plot: {args.serving_plot} ({len(serving_rows(df))} serving runs)")
     return 0
 
 

@@ -4,6 +4,10 @@ Dims: B rows, V vocab. The same order of work for every strategy, so numbers com
   plan (validate everything, no CUDA work) -> build -> reference (dropless eager: tokens and logits)
   -> baseline (eager with the run's dispatch, timed) -> capture -> timed repeats (counters from the first)
   -> fidelity -> floor (one counted step) -> quality (byte-level models) -> the record.
+A serving workload (workload=poisson | trace) runs on moecg.ragged.RaggedEngine instead:
+  plan -> build -> reference (the first measure.fidelity_rows requests, each decoded alone, dropless eager)
+  -> anchor (transformers' continuous batching, workload.anchor) -> capture -> warm (one request) -> serve (the
+  requests in real time, moecg.serving) -> quality -> the record.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from moecg.floor import step_floor_ms
 from moecg.models import build_model
 from moecg.plan import RunPlan, resolve_plan
 from moecg.report import env_fields, percentile
-from moecg.schema import ok_record
+from moecg.schema import NAMES, SERVING, ok_record
 
 NOISY_SPREAD = 1.5  # p90/p50 above this: the steps were not steady (a busy machine, or a coarse clock)
 
@@ -96,13 +100,68 @@ def plan_of(cfg_or_plan, phases: Phases) -> RunPlan:
         return resolve_plan(cfg_or_plan)
 
 
-def _run(plan: RunPlan, progress, phases: Phases) -> dict:
-    mp, m = plan.model, plan.measure
-    dispatcher = plan.dispatcher
+def _build(plan: RunPlan, phases: Phases):
+    mp = plan.model
     with phases("build", f"building {mp.preset or mp.pretrained_path} ({mp.layers} layers) on {plan.device.type}"):
-        built = build_model(mp.preset, pretrained_path=mp.pretrained_path, num_layers=mp.num_layers,
-                            dtype=mp.dtype, device=str(plan.device), seed=plan.seed, router_skew=mp.router_skew,
-                            attn_implementation=mp.attn_implementation)
+        return build_model(mp.preset, pretrained_path=mp.pretrained_path, num_layers=mp.num_layers,
+                           dtype=mp.dtype, device=str(plan.device), seed=plan.seed, router_skew=mp.router_skew,
+                           attn_implementation=mp.attn_implementation)
+
+
+def _capture(engine, plan: RunPlan, rows: int, phases: Phases) -> Capture:
+    with phases("capture", f"strategy={plan.strategy.name}"
+                + (f", buckets {[b for b in plan.buckets if b <= rows]}" if plan.captures else " (no graphs)")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cap = Capture(engine, plan.strategy.name, layers=plan.strategy_layers, buckets=plan.buckets,
+                          backend=plan.capture_backend, warmup=plan.warmup, compile=plan.compile,
+                          compile_mode=plan.compile_mode, kernels=plan.kernels,
+                          kernel_backend=plan.kernel_backend).apply()
+        for w in caught:
+            phases.say(f"warning: {w.message}")
+    return cap
+
+
+def _identity(plan: RunPlan, built, state, stats: dict) -> dict:
+    """What ran and how: the fields every record opens with, fixed or serving."""
+    model, d = built.model, plan.dispatcher.describe()
+    return {
+        "model": built.name, "family": built.family, "num_layers": len(built.adapter.layers(model)),
+        "num_experts": state.num_experts, "top_k": built.adapter.top_k(model.config),
+        "dtype": str(built.dtype).replace("torch.", ""), "device": built.device.type,
+        "strategy": plan.strategy.name, "strategy_layers": plan.strategy_layers,
+        "dispatch": d["dispatch"], "capacity_factor": d["capacity_factor"], "drop_policy": d["drop_policy"],
+        "prefill_dispatch": plan.prefill_dispatcher.name if plan.prefill_dispatcher else d["dispatch"],
+        "router_skew": plan.model.router_skew, "kernels": stats["kernels"], "kernel_backend": stats["kernel_backend"],
+    }
+
+
+def _capture_fields(stats: dict) -> dict:
+    return {"captured": stats["captured"], "capture_backend": stats["capture_backend"], "compiled": stats["compiled"],
+            "capture_s": stats["capture_s"], "graph_mem_mib": stats["graph_mem_mib"], "graphs": stats["graphs"],
+            "capture_buckets": {str(k): v for k, v in stats["buckets"].items()}}
+
+
+def _memory_fields(plan: RunPlan, built) -> dict:
+    cuda = built.device.type == "cuda"
+    return {"peak_mem_mib": (torch.cuda.max_memory_allocated(built.device) if cuda else
+                             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20,
+            "peak_mem_kind": "cuda_allocated" if cuda else "process_rss",
+            "memory_estimate_mib": plan.memory_bytes / 2**20, "build_s": built.build_s}
+
+
+def _drop_fields(drops: dict) -> dict:
+    keys = ("drop_rate", "dropped_prob_mass", "tokens_lost_all_rate", "per_layer_drop_rate", "per_expert_drop_rate",
+            "routed_assignments", "dropped_assignments", "expert_load_imbalance", "per_layer_load_imbalance")
+    return {k: drops[k] for k in keys}
+
+
+def _run(plan: RunPlan, progress, phases: Phases) -> dict:
+    if plan.serving:
+        return _serve(plan, progress, phases)
+    m = plan.measure
+    dispatcher = plan.dispatcher
+    built = _build(plan, phases)
     model, dev = built.model, built.device
     prompts, B, rows = plan.prompts, plan.batch_size, plan.max_rows
     cuda = dev.type == "cuda"
@@ -128,16 +187,7 @@ def _run(plan: RunPlan, progress, phases: Phases) -> dict:
             eager_steps, _ = _timed_generate(engine, plan, phases, steps_left=left - per_pass)
             left -= (m.repeats + 1) * per_pass
 
-    with phases("capture", f"strategy={plan.strategy.name}"
-                + (f", buckets {[b for b in plan.buckets if b <= rows]}" if plan.captures else " (no graphs)")):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            cap = Capture(engine, plan.strategy.name, layers=plan.strategy_layers, buckets=plan.buckets,
-                          backend=plan.capture_backend, warmup=plan.warmup, compile=plan.compile,
-                          compile_mode=plan.compile_mode, kernels=plan.kernels,
-                          kernel_backend=plan.kernel_backend).apply()
-        for w in caught:
-            phases.say(f"warning: {w.message}")
+    cap = _capture(engine, plan, rows, phases)
     with phases("timed", f"{m.repeats} timed repeats of {plan.new_tokens} tokens x {B} rows"):
         steps, (first_res, drops) = _timed_generate(engine, plan, phases if eager_steps is None else None,
                                                     progress, steps_left=left - per_pass)
@@ -165,40 +215,24 @@ def _run(plan: RunPlan, progress, phases: Phases) -> dict:
     else:
         cap_used = cap_buffer = None
 
-    d = dispatcher.describe()
     out: dict = {
-        "model": built.name, "family": built.family, "num_layers": len(built.adapter.layers(model)),
-        "num_experts": state.num_experts, "top_k": built.adapter.top_k(model.config),
-        "dtype": str(built.dtype).replace("torch.", ""), "device": dev.type,
-        "strategy": plan.strategy.name, "strategy_layers": plan.strategy_layers,
-        "dispatch": d["dispatch"], "capacity_factor": d["capacity_factor"], "drop_policy": d["drop_policy"],
-        "prefill_dispatch": plan.prefill_dispatcher.name if plan.prefill_dispatcher else d["dispatch"],
-        "router_skew": mp.router_skew, "kernels": stats["kernels"], "kernel_backend": stats["kernel_backend"],
+        **_identity(plan, built, state, stats), "workload": "fixed",
         "batch_size": B, "bucket": rows_run if stats["captured"] else None,
         "prompt_len": plan.prompt_len, "new_tokens": plan.new_tokens, "max_cache_len": plan.max_cache_len,
         "seed": plan.seed, "prompts": plan.prompts_kind, "capacity": cap_used, "capacity_buffer": cap_buffer,
-        "captured": stats["captured"], "capture_backend": stats["capture_backend"], "compiled": stats["compiled"],
-        "capture_s": stats["capture_s"], "graph_mem_mib": stats["graph_mem_mib"], "graphs": stats["graphs"],
-        "capture_buckets": {str(k): v for k, v in stats["buckets"].items()},
+        **_capture_fields(stats),
         "ms_per_token_p50": p50, "ms_per_token_p90": percentile(steps, 0.9),
         "latency_spread": spread, "latency_noisy": bool(spread is not None and spread > NOISY_SPREAD),
         "tokens_per_s": B * 1e3 / p50 if p50 == p50 and p50 > 0 else None,
         "step_ms": first_res.step_ms, "prefill_ms": first_res.prefill_ms,
         "eager_ms_per_token_p50": eager_p50,
         "speedup_vs_eager": None if same_path or not eager_p50 or not p50 > 0 else eager_p50 / p50,
-        "peak_mem_mib": (torch.cuda.max_memory_allocated(dev) if cuda else
-                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20,
-        "peak_mem_kind": "cuda_allocated" if cuda else "process_rss",
-        "memory_estimate_mib": plan.memory_bytes / 2**20, "build_s": built.build_s,
+        **_memory_fields(plan, built),
         "floor_ms": floor_ms, "floor_ratio": p50 / floor_ms if floor_ms else None,
         "hbm_bandwidth_gbps": m.hbm_bandwidth_gbps, "bandwidth_source": m.bandwidth_source,
-        "drop_rate": drops["drop_rate"], "dropped_prob_mass": drops["dropped_prob_mass"],
-        "tokens_lost_all_rate": drops["tokens_lost_all_rate"],
-        "per_layer_drop_rate": drops["per_layer_drop_rate"], "per_expert_drop_rate": drops["per_expert_drop_rate"],
-        "routed_assignments": drops["routed_assignments"], "dropped_assignments": drops["dropped_assignments"],
-        "expert_load_imbalance": drops["expert_load_imbalance"],
-        "per_layer_load_imbalance": drops["per_layer_load_imbalance"],
+        **_drop_fields(drops),
         "token_agreement_vs_eager": None, "max_logit_diff_vs_eager": None, "token_agreement_forced_vs_eager": None,
+        **{n: None for n in SERVING},
     }
     if out["latency_noisy"]:
         phases.say(f"warning: latency p90/p50 = {spread:.2f}: the steps were not steady (busy machine?); "
@@ -218,6 +252,79 @@ def _run(plan: RunPlan, progress, phases: Phases) -> dict:
     cap.unwrap()
     detach(model)
     return ok_record(out)
+
+
+def _serve(plan: RunPlan, progress, phases: Phases) -> dict:
+    """A serving workload on RaggedEngine (module docstring): one pass over the requests, in real time."""
+    from moecg.anchor import serve_hf, token_agreement
+    from moecg.ragged import RaggedEngine
+    from moecg.serving import decode_alone, request_metrics, serve, step_metrics, warm
+
+    m, wl, dispatcher = plan.measure, plan.workload, plan.dispatcher
+    reqs, prompts = list(wl.requests), list(wl.prompts)
+    built = _build(plan, phases)
+    model, dev = built.model, built.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    alone = None
+    if m.fidelity and m.fidelity_rows:
+        k = min(m.fidelity_rows, len(reqs))
+        with phases("reference", f"the first {k} requests decoded alone (dropless eager, one row each)"):
+            attach(model, make_dispatcher("dropless"), max_rows=1)
+            alone = decode_alone(model, reqs[:k], prompts[:k], plan.max_cache_len)
+            detach(model)
+    hf = None
+    if wl.anchor:
+        with phases("anchor", f"transformers' continuous batching, {len(reqs)} requests in real time"):
+            hf = serve_hf(model, reqs, prompts, wl.max_batch, plan.max_cache_len)
+    state = attach(model, dispatcher, max_rows=plan.max_rows)
+    state.prefill_dispatcher = plan.prefill_dispatcher
+    engine = RaggedEngine(model, plan.max_cache_len, plan.max_rows)
+    cap = _capture(engine, plan, plan.max_rows, phases)
+    with phases("warm", "one request in and out before timing"):
+        warm(engine, prompts[0])
+    state.reset()
+    with phases("serve", wl.describe()):
+        tl = serve(engine, reqs, prompts, wl.max_batch, prefill_tokens=wl.prefill_tokens, progress=progress)
+    drops = state.snapshot()
+    stats = cap.stats()
+    out: dict = {n: None for n in NAMES}
+    out.update(_identity(plan, built, state, stats))
+    out.update(workload=wl.name, workload_rate=wl.rate, workload_file=wl.file, max_batch=wl.max_batch,
+               max_cache_len=plan.max_cache_len, seed=plan.seed, prompts=plan.prompts_kind,
+               capacity=drops["capacity_used"] if dispatcher.drops else None, **_capture_fields(stats),
+               latency_noisy=None, **_memory_fields(plan, built),
+               hbm_bandwidth_gbps=m.hbm_bandwidth_gbps, bandwidth_source=m.bandwidth_source, **_drop_fields(drops))
+    out.update(request_metrics(tl.requests))
+    out.update(step_metrics(tl.steps, tl.prefills, tl.drops_by_batch))
+    if alone is not None:
+        out["token_agreement_vs_eager"] = token_agreement(alone, tl.tokens)
+    if hf is not None:
+        a = request_metrics(hf["times"])
+        out.update({f"anchor_{k}": a[k] for k in ("output_tokens_per_s", "serving_s", *(
+            f"{x}_p{p}" for x in ("ttft_ms", "tpot_ms", "e2e_ms") for p in (50, 90, 99)))})
+        out.update(anchor_token_agreement=token_agreement(hf["tokens"], tl.tokens),
+                   anchor_cuda_graphs=list(hf["cuda_graphs"]), anchor_attn_implementation=hf["attn_implementation"])
+    if m.heldout_bpb:
+        with phases("quality", f"held-out bits per byte ({m.heldout_bytes} bytes), this dispatch and dropless"):
+            out.update(_quality(m.heldout_bytes, model, dispatcher))
+    out.update(env_fields())
+    out["status"], out["config"] = "ok", None
+    cap.unwrap()
+    detach(model)
+    phases.say(f"served {out['n_requests']} requests: {out['output_tokens_per_s']:.1f} output tokens/s, p90 TPOT "
+               f"{_ms(out['tpot_ms_p90'])}, GPU idle {_pct(out['gpu_idle_share'])}"
+               + (f"; transformers' continuous batching {out['anchor_output_tokens_per_s']:.1f} tokens/s, p90 TPOT "
+                  f"{_ms(out['anchor_tpot_ms_p90'])}" if hf is not None else ""))
+    return ok_record(out)
+
+
+def _ms(x) -> str:
+    return "n/a" if x is None else f"{x:.2f} ms"
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
 def _quality(n: int, model, dispatcher) -> dict:

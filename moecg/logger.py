@@ -25,20 +25,28 @@ class WandbLogger:
         lc = cfg.logger
         os.environ.setdefault("WANDB_SILENT", "true")
         group = lc.get("group") or _sweep_group()
-        name = f"{cfg.model.preset or 'local'}-{cfg.strategy.name}-{cfg.dispatch.name}-bs{cfg.batch_size}"
+        w = cfg.get("workload") or {}
+        load = {"poisson": f"poisson{w.get('rate')}-mb{w.get('max_batch')}",
+                "trace": f"trace-mb{w.get('max_batch')}"}.get(w.get("name"), f"bs{cfg.batch_size}")
+        name = f"{cfg.model.preset or 'local'}-{cfg.strategy.name}-{cfg.dispatch.name}-{load}"
         if cfg.dispatch.get("capacity_factor") is not None:
             name += f"-cf{cfg.dispatch.capacity_factor}"
         self.wandb = wandb
         self.run = wandb.init(project=lc.project, entity=lc.get("entity"), mode=lc.get("mode", "offline"),
                               dir=str(out_dir), group=group, name=name,
-                              tags=[cfg.strategy.name, cfg.dispatch.name, *(lc.get("tags") or [])],
+                              tags=[cfg.strategy.name, cfg.dispatch.name, w.get("name", "fixed"),
+                                    *(lc.get("tags") or [])],
                               config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous")
 
     def log_results(self, res: dict) -> None:
         try:
             wb = self.wandb
+            batch = res.get("step_batch")  # serving: live requests of each step
             for i, ms in enumerate(res.get("step_ms") or []):
-                self.run.log({"step_ms": ms, "decode_step": i})
+                row = {"step_ms": ms, "decode_step": i}
+                if batch:
+                    row["batch_size"] = batch[i]
+                self.run.log(row)
             per_layer = res.get("per_layer_drop_rate") or []
             table = wb.Table(columns=["layer", "drop_rate"], data=[[i, r] for i, r in enumerate(per_layer)])
             self.run.log({"per_layer_drop_rate": table,

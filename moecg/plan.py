@@ -121,10 +121,21 @@ class RunPlan:
     needs_baseline: bool = False  # time strategy=eager on HF's modules (same dispatch) for speedup_vs_eager
     memory_bytes: int = 0  # estimate: weights + KV caches + the largest transient
     decode_steps: int = 0  # decode steps the whole run executes (every repeat, baseline and fidelity pass)
+    workload: object = None  # moecg.workload.WorkloadPlan: FIXED, or the requests a serving run replays
+
+    @property
+    def serving(self) -> bool:
+        return self.workload is not None and self.workload.serving
 
     def describe(self) -> str:
         d = self.dispatcher
         opts = ", ".join(f"{k}={getattr(d, k)}" for k in d.options())
+        if self.serving:
+            return (f"{self.model.preset or self.model.pretrained_path} ({self.model.family}, {self.model.layers} "
+                    f"layers, {self.dtype}) on {self.device.type} | strategy={self.strategy.name} | dispatch={d.name}"
+                    f"{' (' + opts + ')' if opts else ''} | {self.workload.describe()}"
+                    f"{' in buckets up to ' + str(self.bucket) if self.bucket else ''} | cache {self.max_cache_len} | "
+                    f"~{self.memory_bytes / 2**30:.2f} GiB")
         return (f"{self.model.preset or self.model.pretrained_path} ({self.model.family}, {self.model.layers} layers, "
                 f"{self.dtype}) on {self.device.type} | strategy={self.strategy.name}"
                 f"{' kernels=' + self.kernels if self.kernels != 'hf' else ''} | dispatch={d.name}"
@@ -137,16 +148,19 @@ class RunPlan:
 def resolve_plan(cfg) -> RunPlan:
     """Validate the whole config (no CUDA kernels run) and return the frozen plan."""
     from moecg.models import resolve_device, resolve_dtype
+    from moecg.workload import FIXED, resolve_workload, workload_name
 
     batch = _int(cfg.batch_size, "batch_size", 1, 4)
     prompt_len = _int(cfg.prompt_len, "prompt_len", 1, 16)
     new_tokens = _int(cfg.new_tokens, "new_tokens", 1, 32)
     seed = _int(cfg.seed, "seed", None, 0)
-    max_cache_len = prompt_len + new_tokens if cfg.max_cache_len is None else \
-        _int(cfg.max_cache_len, "max_cache_len", 1, prompt_len + new_tokens)
-    if prompt_len + new_tokens > max_cache_len:
-        raise PlanError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds max_cache_len={max_cache_len}: "
-                        "raise max_cache_len (or leave it null) or lower new_tokens")
+    serving = workload_name(cfg.get("workload")) != "fixed"
+    if not serving:
+        max_cache_len = prompt_len + new_tokens if cfg.max_cache_len is None else \
+            _int(cfg.max_cache_len, "max_cache_len", 1, prompt_len + new_tokens)
+        if prompt_len + new_tokens > max_cache_len:
+            raise PlanError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds max_cache_len="
+                            f"{max_cache_len}: raise max_cache_len (or leave it null) or lower new_tokens")
     try:
         device = resolve_device(cfg.device)
     except ValueError as e:
@@ -154,7 +168,19 @@ def resolve_plan(cfg) -> RunPlan:
 
     model = _model_plan(cfg.model)
     max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos and max_cache_len > max_pos:
+    workload = FIXED
+    if serving:
+        # the requests decide the cache, the rows and the lengths: batch_size/prompt_len/new_tokens are fixed's
+        workload, max_cache_len = resolve_workload(
+            cfg.workload, vocab=model.config.vocab_size, prompts_kind=_choice(cfg.prompts, "prompts", PROMPTS),
+            max_cache_len=cfg.max_cache_len, max_positions=max_pos, default_seed=seed)
+        batch = workload.max_batch
+        prompt_len = max(r.prompt_len for r in workload.requests)
+        new_tokens = max(r.output_len for r in workload.requests)
+    else:
+        resolve_workload(cfg.get("workload"), vocab=0, prompts_kind="random", max_cache_len=None, max_positions=None,
+                         default_seed=seed)  # refuses keys fixed does not read
+    if max_pos and max_cache_len > max_pos and not serving:
         raise PlanError(f"max_cache_len = {max_cache_len} (prompt_len + new_tokens unless set) exceeds the model's "
                         f"max_position_embeddings={max_pos}: positions past it are outside what the model was built "
                         f"for; lower new_tokens/prompt_len (at most {max_pos} in all)")
@@ -215,28 +241,37 @@ def resolve_plan(cfg) -> RunPlan:
         raise PlanError("capture.compile=true compiles the captured pieces, and strategy=eager captures none: "
                         "pick a graph strategy or drop capture.compile")
     _check_family(model, kernels, step_graph=spec.scope == "step")
+    if serving:
+        _check_ragged(model, kernels, compile_, workload.name)
 
     resolved_backend = ("cuda" if device.type == "cuda" else "none") if backend == "auto" else backend
     captures = spec.scope != "eager" and resolved_backend != "none"
     bucket = bucket_for(batch, buckets) if captures else None
     max_rows = max(bucket or batch, batch)
 
-    measure = _measure_plan(cfg.measure, device, model, new_tokens)
+    measure = _measure_plan(cfg.measure, device, model, None if serving else new_tokens)
     prompts_kind = _choice(cfg.prompts, "prompts", PROMPTS)
     if prompts_kind != "file" and cfg.prompt_file:
         raise PlanError(f"prompt_file is only read with prompts=file (got prompts={prompts_kind}): "
                         "add prompts=file or drop prompt_file")
     from moecg.prompts import PromptError, make_prompts
 
-    try:
-        prompts = make_prompts(prompts_kind, batch, prompt_len, seed, model.config.vocab_size, cfg.prompt_file)
-    except PromptError as e:
-        raise PlanError(str(e)) from None
+    if serving:
+        prompts = torch.zeros(0, 0, dtype=torch.long)  # each request's prompt: workload.prompts
+    else:
+        try:
+            prompts = make_prompts(prompts_kind, batch, prompt_len, seed, model.config.vocab_size, cfg.prompt_file)
+        except PromptError as e:
+            raise PlanError(str(e)) from None
 
     # the eager baseline (HF modules, same dispatch) is timed unless the run itself is that path
-    needs_baseline = measure.eager_baseline and (spec.scope != "eager" or kernels != "hf")
+    needs_baseline = measure.eager_baseline and (spec.scope != "eager" or kernels != "hf") and not serving
     passes = (measure.repeats + 1) * (2 if needs_baseline else 1) \
         + (3 if measure.fidelity else 0) + 1
+    if serving:  # at most one step per generated token; fidelity decodes its requests alone
+        steps = sum(r.output_len - 1 for r in workload.requests)
+        if measure.fidelity:
+            steps += sum(r.output_len - 1 for r in workload.requests[:measure.fidelity_rows])
     plan = RunPlan(
         model=model, device=device, dtype=dtype, strategy=spec, strategy_layers=layers_spec,
         scopes=tuple(scopes) if scopes is not None else None, dispatcher=dispatcher,
@@ -245,7 +280,7 @@ def resolve_plan(cfg) -> RunPlan:
         prompts_kind=prompts_kind, prompts=prompts, capture_backend=backend, captures=captures, warmup=warmup,
         compile=compile_, compile_mode=compile_mode, kernels=kernels, kernel_backend=kernel_backend,
         measure=measure, needs_baseline=needs_baseline, memory_bytes=0,
-        decode_steps=passes * max(new_tokens - 1, 1),
+        decode_steps=steps if serving else passes * max(new_tokens - 1, 1), workload=workload,
     )
     need = estimate_memory(plan)
     object.__setattr__(plan, "memory_bytes", need)
@@ -304,7 +339,24 @@ def _check_family(model: ModelPlan, kernels: str, step_graph: bool) -> None:
         raise PlanError(str(e)) from None
 
 
-def _measure_plan(m, device, model: ModelPlan, new_tokens: int) -> MeasurePlan:
+def _check_ragged(model: ModelPlan, kernels: str, compile_: bool, workload: str) -> None:
+    """What serving (moecg.ragged.RaggedEngine: a length per row) runs, in one place. capture.kernels=fused runs
+    (FastDecode reads each row's position; the MLA families are refused by the fused-path audit, as everywhere)."""
+    from moecg.models import FAMILIES
+    from moecg.models import _attn_implementation
+    from moecg.ragged import ragged_windows
+
+    if compile_:
+        raise PlanError(f"capture.compile=true with workload={workload}: the ragged decode step is not compiled "
+                        "(untested); drop capture.compile")
+    _, cls = FAMILIES[model.family]
+    try:
+        ragged_windows(model.config, _attn_implementation(cls, model.attn_implementation))
+    except ValueError as e:
+        raise PlanError(f"workload={workload}: {e} (model.attn_implementation)") from None
+
+
+def _measure_plan(m, device, model: ModelPlan, new_tokens: int | None) -> MeasurePlan:
     from moecg.floor import device_bandwidth_gbps
 
     bw = m.hbm_bandwidth_gbps
@@ -323,7 +375,7 @@ def _measure_plan(m, device, model: ModelPlan, new_tokens: int) -> MeasurePlan:
                             f"{model.config.vocab_size}): use a *_stdlib model or measure.heldout_bpb=auto")
     repeats = _int(m.repeats, "measure.repeats", 1, 3)
     skip = _int(m.skip_steps, "measure.skip_steps", 0, 2)
-    if skip >= new_tokens - 1 and new_tokens > 1:
+    if new_tokens is not None and skip >= new_tokens - 1 and new_tokens > 1:
         raise PlanError(f"measure.skip_steps={skip} leaves none of the {new_tokens - 1} decode steps to time: "
                         f"lower measure.skip_steps or raise new_tokens")
     return MeasurePlan(
@@ -361,6 +413,8 @@ def estimate_memory(plan: RunPlan) -> int:
     nbytes = torch.empty((), dtype=plan.dtype).element_size()
     weights, _ = _param_bytes(plan.model.config, nbytes)
     engines = 2 if plan.measure.fidelity else 1
+    if plan.serving:  # fidelity decodes one request at a time; the anchor's paged cache holds the KV again
+        engines = 1 + (1 if plan.workload.anchor else 0)
     kv = engines * plan.model.layers * _kv_bytes_per_layer(plan, nbytes)
     cfg = plan.model.config
     # prefill transient: hidden states and the MLP's widest activation for every prompt token, fp32 logits kept

@@ -20,11 +20,19 @@ windowed 4D mask serves all layers; Qwen2-MoE (and GPT-OSS) accept a {layer type
 mask by config.layer_types, so ragged decode passes that dict. Anything else is refused (ragged_windows).
 
 Slots: requests join with `add` (an eager one-row prefill into a free slot: positions 0..S-1, then lengths[r] = S)
-and leave with `remove` (the last live row moves into the freed slot: K/V rows, length and current token), so the
-live rows stay 0..m-1 and a step runs in the smallest bucket holding m; pad rows (m..B-1) keep length 0, do not
-advance, and are masked in routing (DispatchState.set_rows(m, B)).
+or `add_many` (one eager forward over several right-padded prompts into consecutive free slots) and leave with
+`remove` (the last live row moves into the freed slot: K/V rows, length, current token and generated tokens), so the
+live rows stay 0..m-1 and a step runs in the smallest bucket holding m; pad rows (m..B-1) keep
+length 0, do not advance, and are masked in routing (DispatchState.set_rows(m, B)).
+
+Host syncs: every step's tokens go to a device buffer per slot (`tok_buf` [B_max, L], `n_tok` [B_max]); the host
+only counts them (a request's output length is known on the host, so no stop condition needs the values).
+`step(sync=False)` / `add(..., sync=False)` / `remove(id, sync=False)` never read the device: remove hands back a
+device copy of the request's tokens, read when the caller likes (moecg.serving reads them after the run).
+The default `sync=True` keeps the host dict API (`step()` -> {request id: token}, `tokens[id]`).
 """
 from __future__ import annotations
+
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer
@@ -94,10 +102,13 @@ class RaggedCache:
             self._views[rows] = self._make(slice(0, rows))
         return self._views[rows]
 
-    def slot(self, r: int) -> Cache:
-        if r not in self._slots:
-            self._slots[r] = self._make(slice(r, r + 1))
-        return self._slots[r]
+    def slot(self, r: int, k: int = 1) -> Cache:
+        """Slots r .. r+k-1 (a prefill's rows)."""
+        if (r, k) not in self._slots:
+            if r + k > self.max_rows:
+                raise ValueError(f"slots {r}..{r + k - 1} exceed the cache's {self.max_rows}")
+            self._slots[(r, k)] = self._make(slice(r, r + k))
+        return self._slots[(r, k)]
 
     # the interface Capture and DecodeEngine.scratch use
     def reset(self) -> None:
@@ -111,24 +122,25 @@ class RaggedCache:
     def restore_lengths(self, saved) -> None:
         self.lengths.copy_(saved)
 
-    def move(self, src: int, dst: int) -> None:
-        """Copy slot src's K/V rows and length into slot dst (device copies)."""
+    def move(self, src: int, dst: int, n: int | None = None) -> None:
+        """Copy slot src's K/V rows and length into slot dst (device copies); n: only its first n cache slots (the
+        rest are unread: the mask hides slots at or past a row's length, and decode writes before it reads)."""
+        n = self.max_cache_len if n is None else n
         for t in (*self.keys, *self.values):
-            t[dst].copy_(t[src])
+            t[dst, :, :n].copy_(t[src, :, :n])
         self.lengths[dst] = self.lengths[src]
 
 
-def ragged_windows(model):
+def ragged_windows(config, attn_implementation: str):
     """How the 4D mask carries sliding windows -> (kind, window): ("none", 0) one causal mask; ("all", w) one mask
     windowed to w for every layer; ("layer_types", w) a {layer type: mask} dict (Qwen2-MoE and GPT-OSS take one
-    and pick each layer's mask by config.layer_types). Refuses what a 4D mask cannot express."""
-    config = model.config
-    adapter = adapter_for(model)
+    and pick each layer's mask by config.layer_types). Refuses what a 4D mask cannot express. Reads only the config,
+    so the run plan asks it before any model is built."""
+    adapter = adapter_for(config)
     windows = adapter.attention_windows(config)
-    impl = config._attn_implementation
-    if impl not in ("sdpa", "eager"):
-        raise ValueError(f"ragged decode builds its own 4D attention mask: attn_implementation={impl!r} is not "
-                         "supported (use sdpa or eager)")
+    if attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"ragged decode builds its own 4D attention mask: attn_implementation="
+                         f"{attn_implementation!r} is not supported (use sdpa or eager)")
     if not any(windows):
         return "none", 0
     if all(w == windows[0] for w in windows):
@@ -153,10 +165,14 @@ class RaggedEngine(DecodeEngine):
         self.device, self.dtype = p.device, p.dtype
         self.max_cache_len, self.max_rows = max_cache_len, max_rows
         adapter_for(model).check_supported(model.config, "hf")
-        self._windows = ragged_windows(model)
+        self._windows = ragged_windows(model.config, model.config._attn_implementation)
         self.cache = RaggedCache(model.config, max_rows, max_cache_len, self.device, self.dtype)
         self.ids = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] current tokens
         self.live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] 1: a live row
+        self.tok_buf = torch.zeros(max_rows, max_cache_len, dtype=torch.long, device=self.device)  # [B_max, L]
+        self.n_tok = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] tokens in tok_buf
+        self._rows_ar = torch.arange(max_rows, device=self.device)  # [B_max]
+        self._plen = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] a batched prefill's lengths
         self._slots_ar = torch.arange(max_cache_len, device=self.device)  # [L]
         self._additive = model.config._attn_implementation == "eager"
         self.rows_for = lambda n: n
@@ -165,7 +181,8 @@ class RaggedEngine(DecodeEngine):
         # host bookkeeping: slot i holds request order[i]; host copies of each request's length
         self.order: list = []
         self.host_len: dict = {}
-        self.tokens: dict = {}  # request id -> generated tokens (first from the prefill)
+        self.n_generated: dict = {}  # request id -> tokens generated so far (host count, no sync)
+        self.tokens: dict = {}  # request id -> generated tokens (first from the prefill); sync=True calls only
         self.last_logits: torch.Tensor | None = None  # [m, V] of the last step (or prefill for add)
         self.step_rows: list[int] = []
 
@@ -201,15 +218,16 @@ class RaggedEngine(DecodeEngine):
         return m
 
     @torch.no_grad()
-    def _run(self, ids: torch.Tensor, cache: Cache, lengths: torch.Tensor, decode: bool) -> torch.Tensor:
-        """ids [B, S] on `cache` (rows with lengths [B]) -> last-position logits [B, V]."""
+    def _run(self, ids: torch.Tensor, cache: Cache, lengths: torch.Tensor, decode: bool, keep=1) -> torch.Tensor:
+        """ids [B, S] on `cache` (rows with lengths [B]) -> logits [B, V] at the last position, or at each row's
+        position keep [B, 1] (a right-padded batch of prompts)."""
         S = ids.shape[1]
         pos = lengths[:, None] + torch.arange(S, device=self.device)  # [B, S]
         call = self.decode_forward if decode and self.decode_forward is not None else self.model
         # the fused step reads each row's position from the cache and masks in its kernels: no 4D mask to build
         mask = None if getattr(call, "per_row_positions", False) else self._mask(pos)
         out = call(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                   logits_to_keep=1, output_router_logits=False)
+                   logits_to_keep=keep, output_router_logits=False)
         return out.logits[:, -1]
 
     def forward(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
@@ -229,8 +247,9 @@ class RaggedEngine(DecodeEngine):
         return len(self.order)
 
     @torch.no_grad()
-    def add(self, request_id, prompt_ids, max_new_tokens: int | None = None) -> int:
-        """Prefill `prompt_ids` [S] into a free slot (eagerly, one row) -> the slot. Its first token is in tokens[id]."""
+    def add(self, request_id, prompt_ids, max_new_tokens: int | None = None, sync: bool = True) -> int:
+        """Prefill `prompt_ids` [S] into a free slot (eagerly, one row) -> the slot. Its first token is in tok_buf
+        (and, with sync=True, in tokens[id]). A prompt already on the device is not copied again."""
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
         S = prompt.numel()
         if request_id in self.host_len:
@@ -253,33 +272,102 @@ class RaggedEngine(DecodeEngine):
         self.live[r] = 1
         first = logits.argmax(-1)  # [1]
         self.ids[r] = first[0]
+        self.tok_buf[r, 0] = first[0]
+        self.n_tok[r] = 1
         self.order.append(request_id)
         self.host_len[request_id] = S
-        self.tokens[request_id] = [int(first[0])]
+        self.n_generated[request_id] = 1
+        if sync:
+            self.tokens[request_id] = [int(first[0])]
         self.last_logits = logits
         return r
 
-    def remove(self, request_id) -> list[int]:
-        """The request leaves; the last live row moves into its slot. Returns its generated tokens."""
+    @torch.no_grad()
+    def add_many(self, request_ids, prompts, max_new_tokens=None, sync: bool = True) -> list[int]:
+        """Prefill several requests in one forward (eagerly) into consecutive free slots -> their slots.
+
+        The prompts [S_j] are right-padded to the longest: row j's real tokens sit at positions 0..S_j-1 and its
+        logits are taken at S_j-1 (logits_to_keep per row); the pad tokens' keys land in slots >= S_j, which the mask
+        hides until decode overwrites them, one slot per step, before reading. Pad tokens are routed like real ones:
+        a prefill dispatcher that drops (capacity) would let them take capacity, so callers prefill such requests
+        one by one (moecg.serving does). A single request is `add`."""
+        ids = list(request_ids)
+        k = len(ids)
+        news = list(max_new_tokens) if max_new_tokens is not None else [None] * k
+        if k == 1:
+            return [self.add(ids[0], prompts[0], news[0], sync=sync)]
+        toks = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+        lens = [t.numel() for t in toks]
+        for rid, S, n in zip(ids, lens, news):
+            if rid in self.host_len or ids.count(rid) > 1:
+                raise ValueError(f"request {rid!r} is already running")
+            need = S + (n if n is not None else 1)
+            if S < 1 or need > self.max_cache_len:
+                raise CacheOverflowError(
+                    f"request {rid!r}: prompt of {S} tokens + {n or 1} new = {need} exceeds the KV cache "
+                    f"({self.max_cache_len} slots per row): shorten it or raise max_cache_len")
+        if self.n_live + k > self.max_rows:
+            raise ValueError(f"{k} requests need {k} free slots and {self.max_rows - self.n_live} are free: remove "
+                             "finished requests first (or raise max_rows)")
+        r = self.n_live
+        S_max = max(lens)
+        padded = torch.zeros(k, S_max, dtype=torch.long, device=self.device)  # [k, S_max]
+        for j, t in enumerate(toks):
+            padded[j, :lens[j]] = t.to(self.device)
+            self._plen[r + j] = lens[j]  # a host scalar into a device tensor: no sync
+        keep = (self._plen[r:r + k] - 1)[:, None]  # [k, 1] each row's last real position
+        state = state_of(self.model)
+        if state is not None:
+            state.set_rows(k, k)
+        self.cache.lengths[r:r + k] = 0
+        with (state.prefill() if state is not None else _null()), (state.rows(k) if state is not None else _null()):
+            logits = self._run(padded, self.cache.slot(r, k), self.cache.lengths[r:r + k], False, keep)  # [k, V]
+        first = logits.argmax(-1)  # [k]
+        self.cache.lengths[r:r + k] = self._plen[r:r + k]
+        self.live[r:r + k] = 1
+        self.ids[r:r + k] = first
+        self.tok_buf[r:r + k, 0] = first
+        self.n_tok[r:r + k] = 1
+        host = first.tolist() if sync else None
+        for j, rid in enumerate(ids):
+            self.order.append(rid)
+            self.host_len[rid] = lens[j]
+            self.n_generated[rid] = 1
+            if sync:
+                self.tokens[rid] = [host[j]]
+        self.last_logits = logits
+        return list(range(r, r + k))
+
+    def remove(self, request_id, sync: bool = True):
+        """The request leaves; the last live row moves into its slot. Returns its generated tokens: a list (one host
+        read), or with sync=False a device tensor [n] (a copy, no sync)."""
         r = self.order.index(request_id)
+        n = self.n_generated.pop(request_id)
+        toks = self.tok_buf[r, :n].clone()  # [n]
         last = self.n_live - 1
         if r != last:
-            self.cache.move(last, r)
+            self.cache.move(last, r, self.host_len[self.order[last]])
             self.ids[r] = self.ids[last]
+            n_last = self.n_generated[self.order[last]]
+            self.tok_buf[r, :n_last] = self.tok_buf[last, :n_last]
+            self.n_tok[r] = self.n_tok[last]
             self.order[r] = self.order[last]
         self.order.pop()
         self.cache.lengths[last] = 0
         self.live[last] = 0
         self.ids[last] = 0
+        self.n_tok[last] = 0
         del self.host_len[request_id]
-        return self.tokens.pop(request_id)
+        self.tokens.pop(request_id, None)
+        return toks.tolist() if sync else toks
 
     @torch.no_grad()
-    def step(self) -> dict:
-        """One greedy decode step for every live request -> {request id: next token}."""
+    def step(self, sync: bool = True) -> dict | None:
+        """One greedy decode step for every live request -> {request id: next token}; with sync=False the tokens
+        stay on the device (tok_buf) and nothing is returned: no host sync."""
         m = self.n_live
         if m == 0:
-            return {}
+            return {} if sync else None
         full = [rid for rid in self.order if self.host_len[rid] >= self.max_cache_len]
         if full:
             raise CacheOverflowError(f"requests {full} filled their {self.max_cache_len} cache slots: remove them "
@@ -289,11 +377,18 @@ class RaggedEngine(DecodeEngine):
         self._set_rows(m, rows)
         nxt, logits = self.step_impl(self.ids, rows)
         self.ids[:m] = nxt[:m]
+        # row b's token goes to tok_buf[b, n_tok[b]]: device indices, so the host never reads a count
+        self.tok_buf.index_put_((self._rows_ar[:m], self.n_tok[:m]), nxt[:m])
+        self.n_tok[:m] += 1
         self.last_logits = logits[:m]
         self.step_rows.append(rows)
+        for rid in self.order:
+            self.host_len[rid] += 1
+            self.n_generated[rid] += 1
+        if not sync:
+            return None
         out = {}
         for rid, t in zip(self.order, nxt[:m].tolist()):
-            self.host_len[rid] += 1
             self.tokens[rid].append(t)
             out[rid] = t
         return out

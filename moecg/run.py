@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from moecg.logger import make_logger
-from moecg.schema import SUMMARY
+from moecg.schema import SERVING, SUMMARY
 
 def _fmt(v):
     if isinstance(v, float):
@@ -28,6 +28,8 @@ def print_summary(res: dict) -> None:
     table.add_column("field")
     table.add_column("value")
     for k in SUMMARY:
+        if k in SERVING and res.get(k) is None:
+            continue  # a fixed batch (or no anchor): the serving fields do not apply
         table.add_row(k, _fmt(res.get(k)))
     console = Console()
     console.print(table)
@@ -79,7 +81,10 @@ def _run_with_progress(cfg) -> dict:
     phases = Phases()
     plan = plan_of(cfg, phases)  # validated first: the bar's total is read from the plan, not the raw config
     with Progress(transient=True) as bar:
-        task = bar.add_task("decode (timed repeats)", total=plan.measure.repeats * max(plan.new_tokens - 1, 1))
+        if plan.serving:
+            task = bar.add_task("requests served", total=plan.workload.n_requests)
+        else:
+            task = bar.add_task("decode (timed repeats)", total=plan.measure.repeats * max(plan.new_tokens - 1, 1))
         return run_experiment(plan, progress=lambda: bar.advance(task), phases=phases)
 
 
@@ -93,6 +98,8 @@ def _record_failure(cfg, e: BaseException, results_path: Path) -> None:
     axes = {"model": cfg.model.preset or cfg.model.pretrained_path, "strategy": cfg.strategy.name,
             "dispatch": d.name, "capacity_factor": d.get("capacity_factor"), "drop_policy": d.get("drop_policy"),
             "batch_size": cfg.batch_size}
+    w = cfg.get("workload") or {}
+    axes.update(workload=w.get("name", "fixed"), workload_rate=w.get("rate"), max_batch=w.get("max_batch"))
     err = failed_record(e.error if isinstance(e, JobProcessError) else f"{type(e).__name__}: {e}",
                         getattr(e, "moecg_phase", "setup"),
                         getattr(e, "child_traceback", None) or traceback.format_exc(),

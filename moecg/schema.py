@@ -26,6 +26,12 @@ def _f(name, group, doc, *flags):
     return Field(name, group, doc, _S in flags, _A in flags, _X in flags)
 
 
+def _pct(name, group, doc, summary=None, analysis=None):
+    """p50 / p90 / p99 fields of one per-request latency."""
+    return tuple(Field(f"{name}_p{p}", group, f"{doc}: p{p}" if p == 50 else f"p{p}", p == summary, p == analysis)
+                 for p in (50, 90, 99))
+
+
 FIELDS: tuple[Field, ...] = (
     # what ran
     _f("model", "what", "preset name, or the checkpoint directory's name for model=local", _S, _A, _X),
@@ -46,16 +52,56 @@ FIELDS: tuple[Field, ...] = (
     _f("kernels", "how", "capture.kernels: hf (HF's modules) | fused (moecg.fast's decode step)", _S),
     _f("kernel_backend", "how", "kernels=fused: which ops ran (triton | torch); null for hf"),
     # workload
-    _f("batch_size", "workload", "real rows", _S, _A, _X),
-    _f("bucket", "workload", "rows a captured step runs (the batch padded up); null without graphs", _S),
-    _f("prompt_len", "workload", "prompt tokens per row"),
-    _f("new_tokens", "workload", "tokens generated per row (the first by the prefill)"),
+    _f("workload", "workload", "fixed (one batch started together) | poisson | trace (serving: requests join and "
+       "leave, moecg.serving)", _S, _A, _X),
+    _f("batch_size", "workload", "real rows (workload=fixed; serving: null, see max_batch)", _S, _A, _X),
+    _f("bucket", "workload", "rows a captured step runs (the batch padded up); null without graphs or when serving "
+       "(see bucket_hist)", _S),
+    _f("prompt_len", "workload", "prompt tokens per row (workload=fixed)"),
+    _f("new_tokens", "workload", "tokens generated per row, the first by the prefill (workload=fixed)"),
     _f("max_cache_len", "workload", "KV cache slots per row"),
     _f("seed", "workload", "weights, router skew and random prompts"),
     _f("prompts", "workload", "random | heldout | file"),
     _f("capacity", "workload", "capacity only: mean C applied per MoE call during decode, from the device "
        "counters: Megatron's formula on the real tokens, whatever the bucket", _S),
     _f("capacity_buffer", "workload", "capacity only: slots per expert the decode buffers hold (C of the bucket)"),
+    # serving (workload=poisson | trace; null for a fixed batch)
+    _f("workload_rate", "serving", "poisson: mean arrivals per second (workload.rate)", _A, _X),
+    _f("workload_file", "serving", "trace: the file's name, without its directory"),
+    _f("max_batch", "serving", "requests decoded at once at most (workload.max_batch); admission first come, first "
+       "served", _S, _A, _X),
+    _f("n_requests", "serving", "requests served"),
+    _f("serving_s", "serving", "seconds from the start of serving to the last request's last token"),
+    _f("output_tokens", "serving", "tokens generated, every request (its first by its prefill)"),
+    _f("output_tokens_per_s", "serving", "output_tokens / serving_s", _S, _A),
+    *_pct("ttft_ms", "serving", "time to first token, per request: arrival to the end of its prefill "
+          "(queueing + prefill)", summary=50),
+    *_pct("tpot_ms", "serving", "time per output token, per request: (its last token - its first) / "
+          "(output_len - 1)", summary=90, analysis=90),
+    *_pct("e2e_ms", "serving", "end to end, per request: arrival to its last token", summary=90, analysis=90),
+    _f("requests", "serving", "per request: id, arrival_s, prompt_len, output_len, queue_ms, prefill_ms, ttft_ms, "
+       "tpot_ms, e2e_ms"),
+    _f("decode_steps", "serving", "decode steps run"),
+    _f("step_batch", "serving", "live requests in every decode step (step_ms holds each step's time)"),
+    _f("batch_size_hist", "serving", "decode steps per live batch size {requests: steps}"),
+    _f("bucket_hist", "serving", "decode steps per rows run {rows: steps} (the bucket with graphs, else the "
+       "batch)"),
+    _f("padding_waste", "serving", "pad rows / rows run, over the decode steps", _S),
+    _f("drop_rate_by_batch", "serving", "dispatchers that drop: dropped / routed assignments per live batch size "
+       "{requests: rate}, decode steps only"),
+    _f("gpu_idle_share", "serving", "device time between consecutive decode steps that no prefill covers (gaps "
+       "asleep for an arrival excluded) / decode step time: the host's scheduling cost (perf_counter gaps on CPU)",
+       _S, _A),
+    # anchor: transformers' continuous batching on the same requests in the same process (workload.anchor=true)
+    _f("anchor_output_tokens_per_s", "anchor", "transformers generate_batch's engine (init_continuous_batching), "
+       "same requests, arrivals and max_batch, greedy: output tokens / its serving time", _S, _A),
+    _f("anchor_serving_s", "anchor", "its seconds from the start of serving to the last token"),
+    *_pct("anchor_ttft_ms", "anchor", "its time to first token (per-token host timestamps)"),
+    *_pct("anchor_tpot_ms", "anchor", "its time per output token", summary=90, analysis=90),
+    *_pct("anchor_e2e_ms", "anchor", "its end to end latency"),
+    _f("anchor_token_agreement", "anchor", "its greedy tokens equal to moecg's served tokens, over all tokens"),
+    _f("anchor_cuda_graphs", "anchor", "whether its CUDA graphs were on (varlen, decode)"),
+    _f("anchor_attn_implementation", "anchor", "the attention it ran (it may switch to flash or paged)"),
     # capture
     _f("captured", "capture", "whether CUDA (or emulated) graphs were captured", _S),
     _f("capture_backend", "capture", "cuda | emulate | none"),
@@ -66,15 +112,16 @@ FIELDS: tuple[Field, ...] = (
     _f("capture_buckets", "capture", "per bucket: {capture_s, graph_mem_mib, replays, graphs}"),
     # latency
     _f("ms_per_token_p50", "latency", "median decode-step time (CUDA events on a GPU, after a warm generate; the "
-       "first measure.skip_steps steps of each repeat dropped)", _S, _A),
+       "first measure.skip_steps steps of each repeat dropped; serving: every step, whatever its batch)", _S, _A),
     _f("ms_per_token_p90", "latency", "90th percentile of the same steps", _S),
-    _f("latency_spread", "latency", "p90 / p50 of the steps (the larger of the run's and its eager baseline's)"),
+    _f("latency_spread", "latency", "p90 / p50 of the steps (the larger of the run's and its eager baseline's); "
+       "null when serving (batch sizes vary)"),
     _f("latency_noisy", "latency", "latency_spread above 1.5: the machine was busy or the clock is coarse; "
        "re-run before quoting the latency", _S),
-    _f("tokens_per_s", "latency", "batch_size / p50", _S),
-    _f("step_ms", "latency", "every step of the first timed repeat"),
-    _f("prefill_ms", "latency", "the first timed repeat's prefill, wall clock"),
-    _f("eager_ms_per_token_p50", "latency", "strategy=eager with the same dispatch, same run", _S),
+    _f("tokens_per_s", "latency", "batch_size / p50 (serving: see output_tokens_per_s)", _S),
+    _f("step_ms", "latency", "every step of the first timed repeat (serving: of the run)"),
+    _f("prefill_ms", "latency", "the first timed repeat's prefill, wall clock (serving: per request in requests)"),
+    _f("eager_ms_per_token_p50", "latency", "strategy=eager with the same dispatch, same run (workload=fixed)", _S),
     _f("speedup_vs_eager", "latency", "eager p50 / p50; null where the run executed the baseline's own path "
        "(no graphs and HF's modules: nothing to compare)", _S, _A),
     # memory
@@ -87,7 +134,7 @@ FIELDS: tuple[Field, ...] = (
     # floor
     _f("floor_ms", "floor", "HBM floor: bytes one step must read (non-expert weights + experts one counted step "
        "hits, all E for a dispatcher that reads every expert, + live KV) / bandwidth; null where the bandwidth "
-       "is unknown", _S),
+       "is unknown, and when serving", _S),
     _f("floor_ratio", "floor", "ms_per_token_p50 / floor_ms", _S),
     _f("hbm_bandwidth_gbps", "floor", "the bandwidth used: measured per device (moecg.floor), or "
        "measure.hbm_bandwidth_gbps; null where unknown (CPUs)"),
@@ -105,8 +152,10 @@ FIELDS: tuple[Field, ...] = (
        "expert set)", _S),
     _f("per_layer_load_imbalance", "load", "per MoE layer"),
     # fidelity
-    _f("token_agreement_vs_eager", "fidelity", "greedy tokens equal to dropless eager on the same prompts", _S, _A),
-    _f("token_agreement_forced_vs_eager", "fidelity", "teacher-forced: every step fed eager's token", _S),
+    _f("token_agreement_vs_eager", "fidelity", "greedy tokens equal to dropless eager on the same prompts (serving: "
+       "the first measure.fidelity_rows requests, each decoded alone)", _S, _A),
+    _f("token_agreement_forced_vs_eager", "fidelity", "teacher-forced: every step fed eager's token (workload=fixed)",
+       _S),
     _f("max_logit_diff_vs_eager", "fidelity", "over steps before a row's first divergence, first "
        "measure.fidelity_rows rows", _S),
     # quality
@@ -128,13 +177,14 @@ FIELDS: tuple[Field, ...] = (
 FAILED_FIELDS: tuple[Field, ...] = (
     Field("error", "failure", "one line: what failed and the fix"),
     Field("phase", "failure", "the phase it failed in (plan, build, reference, baseline, capture, timed, "
-          "fidelity, floor, quality)"),
+          "fidelity, floor, quality; serving: anchor, warm, serve)"),
     Field("traceback", "failure", "the full traceback"),
 )
 
 NAMES = tuple(f.name for f in FIELDS)
 BY_NAME = {f.name: f for f in FIELDS + FAILED_FIELDS}
 SUMMARY = tuple(f.name for f in FIELDS if f.summary)
+SERVING = tuple(f.name for f in FIELDS if f.group in ("serving", "anchor"))  # null for workload=fixed
 ANALYSIS = tuple(f.name for f in FIELDS if f.analysis)
 AXES = tuple(f.name for f in FIELDS if f.axis)
 

@@ -99,7 +99,7 @@ def test_engine_errors_are_clear():
 # every option of every config group, read off conf/ itself, so a new YAML is composed without editing this list
 _CONF = __import__("pathlib").Path(__import__("moecg").__file__).parent / "conf"
 GROUPS = {g: sorted(p.stem for p in (_CONF / g).glob("*.yaml"))
-          for g in ("model", "strategy", "dispatch", "logger", "experiment")}
+          for g in ("model", "strategy", "dispatch", "workload", "logger", "experiment")}
 
 
 def test_every_config_option_composes():
@@ -113,7 +113,7 @@ def test_every_config_option_composes():
             for opt in options:
                 cfg = compose(config_name="config", overrides=[f"{group}={opt}"])
                 assert cfg.batch_size >= 1 and cfg.strategy.name and cfg.dispatch.name
-                if group in ("strategy", "dispatch", "logger"):
+                if group in ("strategy", "dispatch", "workload", "logger"):
                     assert cfg[group].name == opt
                 if group == "model" and opt != "local":
                     assert cfg.model.preset == opt
