@@ -109,7 +109,7 @@ class Capacity(Dispatcher):
             capacity_on_device(n_valid, K, E, self.capacity_factor, self.min_capacity)
         slot_token, slot_ok, routed, kept, probs = capacity_slots(idx, w, valid, E, C, self.drop_policy, cap_used)
         x = hidden[slot_token]  # [E, C, D]
-        y = expert_mlp_padded(experts, x.to(experts.gate_up_proj.dtype))  # [E, C, D]
+        y = self.experts_padded(experts, x.to(experts.gate_up_proj.dtype))  # [E, C, D]
         # Where each kept (token, expert) sits: slot_of[t, e] = c.
         slot_of = torch.zeros(T, E, dtype=torch.int64, device=idx.device)
         slots = torch.arange(C, device=idx.device).expand(E, C)  # [E, C]
@@ -132,3 +132,8 @@ class Capacity(Dispatcher):
             counters.add(routed_e, dropped.sum(0), (probs * routed).sum(0), (probs * dropped).sum(0), n_valid, lost)
             counters.add_capacity(C if cap_used is None else cap_used)
         return out.to(hidden.dtype)
+
+    def experts_padded(self, experts, x):
+        """x [E, C, D] slot buffers -> [E, C, D] expert outputs: the one step expert parallelism replaces (an
+        all-to-all to the experts' ranks and back, moecg.parallel.dispatch), selection and combine staying as here."""
+        return expert_mlp_padded(experts, x)
