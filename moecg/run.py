@@ -119,7 +119,7 @@ def _record_failure(cfg, e: BaseException, results_path: Path, prefix: str = "")
             "batch_size": cfg.batch_size, "ep": cfg.get("parallel", {}).get("ep")}
     err = failed_record(prefix + (e.error if isinstance(e, JobProcessError) else f"{type(e).__name__}: {e}"),
                         getattr(e, "moecg_phase", "setup"),
-                        getattr(e, "child_traceback", None) or traceback.format_exc(),
+                        getattr(e, "child_traceback", None) or "".join(traceback.format_exception(e)),
                         OmegaConf.to_container(cfg, resolve=True), axes)
     results_path.write_text(json.dumps(err, indent=2, default=str))
     print(f"moecg: job failed: {one_line(err['error'])} (details and traceback: {results_path})", file=sys.stderr)

@@ -10,6 +10,7 @@ is the identity there, so the single-process run goes through the same calls.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import warnings
@@ -132,8 +133,10 @@ def init_group(ep: int, backend: str, device: torch.device, timeout_s: float) ->
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    # megatron-core's import says at length that Transformer Engine, Apex and its FSDP extras are absent: not used here
+    logging.getLogger("megatron").setLevel(logging.WARNING)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": not used here
+        warnings.simplefilter("ignore")
         from megatron.core import parallel_state
 
     # megatron-core's own groups (tp = pp = cp = 1): its expert-model-parallel group is the all-to-all group
