@@ -29,12 +29,16 @@ CASES_2 = [
     ("qwen2_moe_tiny", "capacity", {"capacity_factor": 1.0, "drop_policy": "position"}, "mixed",
      {"layers": "0-1:layer,2-2:attn"}),
     ("qwen3_moe_tiny", "dropless", {}, "full", {"kernels": "fused"}),
+    # the anchor: megatron-core's MoEAlltoAllTokenDispatcher (drop-and-pad, its only path that runs without CUDA)
+    # against one process's `capacity` with the same factor (eager: megatron sizes C from the padded rows)
+    ("mixtral_tiny", "megatron_alltoall_capacity", CF, "eager", {}),
 ]
 CASES_4 = [
     (preset, *case) for preset in ("mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny") for case in (
         ("dropless", {}, "eager", {}), ("capacity", CF, "eager", {}))
 ] + [("qwen3_moe_tiny", "capacity", CF, "capacity", {}), ("mixtral_tiny", "dropless", {}, "full", {})]
 
+REFERENCE = {"megatron_alltoall_capacity": "capacity"}  # the single-process dispatcher a case is compared with
 COUNTERS = ("routed", "dropped", "routed_mass", "dropped_mass", "tokens", "lost_all", "capacity", "calls")
 
 
@@ -72,6 +76,7 @@ def run(rank: int, world: int, port: int, out: str, which: str) -> None:
     from moecg.dispatch import make_dispatcher
     from moecg.models import build_model
     from moecg.parallel import init_group, parallelize, shard_experts
+    from moecg.parallel.megatron import MEGATRON, cpu_stream_stand_in
 
     results: dict = {}
     group = init_group(world, "gloo", torch.device("cpu"), 120)
@@ -85,11 +90,17 @@ def run(rank: int, world: int, port: int, out: str, which: str) -> None:
             vocab = model.config.vocab_size
             prompts = torch.randint(0, vocab, (world * B, PROMPT), generator=g)[rank * B:(rank + 1) * B]
             # references: one process, all experts, the same rows and dispatcher options, eager
-            refs = [_decode(model, make_dispatcher(n, **kw), prompts, "eager", {}) for _, n, kw, _, _ in mine]
+            refs = [_decode(model, make_dispatcher(REFERENCE.get(n, n), **kw), prompts, "eager", {})
+                    for _, n, kw, _, _ in mine]
             shard_experts(model, group)
             for case, (ref, ref_c) in zip(mine, refs):
                 _, name, kw, strategy, extra = case
-                res, got_c = _decode(model, parallelize(make_dispatcher(name, **kw), group), prompts, strategy, extra)
+                if name in MEGATRON:
+                    with cpu_stream_stand_in():
+                        res, got_c = _decode(model, MEGATRON[name](**kw).bind(group), prompts, strategy, extra)
+                else:
+                    res, got_c = _decode(model, parallelize(make_dispatcher(name, **kw), group), prompts, strategy,
+                                         extra)
                 bad = [k for k in COUNTERS if not torch.allclose(ref_c[k].double(), got_c[k].double(), rtol=1e-6,
                                                                  atol=1e-6)]
                 results[case_id(case)] = {

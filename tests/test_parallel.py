@@ -77,7 +77,7 @@ def _check(results: dict[int, dict], case, world: int):
         assert r["routed"] > 0
         E = {"mixtral_tiny": 8}.get(case[0], 16)
         assert r["experts_held"] == E // world  # the rank really held only its slice
-        if case[1] == "capacity":
+        if "capacity" in case[1]:
             assert r["ref_dropped"] > 0, f"{cid}: the reference dropped nothing, so the comparison proves little"
 
 
@@ -118,6 +118,22 @@ def test_one_rank_variants_equal_single_process_bitwise(ep_cls, base, kw):
     assert torch.equal(outs[0][0], outs[1][0])
     assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
     assert parallelize(base(**kw), EPGroup()).__class__ is base  # ep=1 keeps today's dispatcher itself
+
+
+def test_megatron_dispatchers_need_cuda_and_are_not_graph_safe():
+    """What the README and bench_ep.py say of megatron-core's dispatchers: constructing them needs CUDA here, and
+    moecg refuses to capture them (strategy=partial keeps them eager, between attention graphs)."""
+    from moecg.capture import StrategyError, validate
+    from moecg.parallel.megatron import MEGATRON
+
+    d = MEGATRON["megatron_alltoall"]().bind(EPGroup())
+    if not torch.cuda.is_available():
+        with pytest.raises((RuntimeError, AssertionError), match="CUDA"):
+            d._dispatcher(8, 2, 16, torch.float32)
+    for strategy in ("full", "layer"):
+        with pytest.raises(StrategyError, match="not graph-safe"):
+            validate(strategy, d, 2)
+    validate("partial", d, 2)
 
 
 class CountingExchange:
@@ -268,3 +284,22 @@ def test_ep1_matches_todays_path_in_process_and_under_torchrun(tmp_path):
     assert one["ep"] == res["ep"] == 1 and one["ep_backend"] is None and res["dropped_assignments"] > 0
     for k in DETERMINISTIC + ["max_logit_diff_vs_eager", "floor_ms", "exchange_floor_ms"]:
         assert res[k] == one[k], k
+
+
+def test_bench_ep_on_two_gloo_ranks(tmp_path):
+    """experiments/bench_ep.py under torchrun on CPU: moecg's rows measured (exchange share, floor with the bandwidths
+    given), megatron-core's rows skipped with the reason, one table and one JSON from rank 0."""
+    out, js = tmp_path / "ep.md", tmp_path / "ep.json"
+    p = _torchrun(tmp_path, 2, "--preset", "mixtral_tiny", "--batch", "2", "--new-tokens", "4", "--prompt-len", "4",
+                  "--skip", "1", "--cases", "dropless:full", "capacity:capacity", "megatron_alltoall:partial",
+                  "--hbm-gbps", "100", "--nvlink-gbps", "50", "--out", str(out), "--json", str(js),
+                  script=(str(ROOT / "experiments" / "bench_ep.py"),))
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads(js.read_text())
+    assert res["ranks"] == 2 and [(r["dispatch"], r["strategy"]) for r in res["rows"]] == [
+        ("dropless", "full"), ("capacity", "capacity")]
+    for r in res["rows"]:
+        assert r["captured"] and r["ms_per_step"] > 0 and 0 <= r["exchange_share"] <= 1
+        assert r["floor_ms"] > 0 and r["floor_ratio"] == pytest.approx(r["ms_per_step"] / r["floor_ms"])
+    assert "need CUDA" in res["skipped"]["megatron_alltoall"]
+    assert out.read_text().count("| mixtral_tiny |") == 2 and "Skipped on cpu: megatron_alltoall" in out.read_text()
