@@ -11,6 +11,7 @@ import json
 import os
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,7 +39,8 @@ CASES_4 = [
         ("dropless", {}, "eager", {}), ("capacity", CF, "eager", {}))
 ] + [("qwen3_moe_tiny", "capacity", CF, "capacity", {}), ("mixtral_tiny", "dropless", {}, "full", {})]
 
-REFERENCE = {"megatron_alltoall_capacity": "capacity"}  # the single-process dispatcher a case is compared with
+# the single-process dispatcher a case is compared with
+REFERENCE = {"megatron_alltoall_capacity": "capacity", "megatron_alltoall": "dropless", "megatron_allgather": "dropless"}
 COUNTERS = ("routed", "dropped", "routed_mass", "dropped_mass", "tokens", "lost_all", "capacity", "calls")
 
 
@@ -48,7 +50,7 @@ def case_id(case) -> str:
     return f"{preset}-{name}-{strategy}" + (f"[{opts}]" if opts else "")
 
 
-def _decode(model, dispatcher, prompts, strategy: str, extra: dict):
+def _decode(model, dispatcher, prompts, strategy: str, extra: dict, backend: str = "emulate"):
     from moecg.capture import Capture
     from moecg.dispatch import attach, detach
     from moecg.engine import DecodeEngine
@@ -58,7 +60,7 @@ def _decode(model, dispatcher, prompts, strategy: str, extra: dict):
         engine = DecodeEngine(model, PROMPT + NEW, 4)
         cap = None
         if strategy != "eager":
-            cap = Capture(engine, strategy, buckets=[1, 2, 4], backend="emulate", **extra).apply()
+            cap = Capture(engine, strategy, buckets=[1, 2, 4], backend=backend, **extra).apply()
         state.reset()
         res = engine.generate(prompts, NEW, keep_logits=True)
         counters = {k: getattr(state, k).clone() for k in COUNTERS}
@@ -69,38 +71,51 @@ def _decode(model, dispatcher, prompts, strategy: str, extra: dict):
         detach(model)
 
 
-def run(rank: int, world: int, port: int, out: str, which: str) -> None:
+# on GPUs (tests/test_parallel_gpu.py): NCCL, real CUDA graphs, and megatron-core's CUDA-only dispatchers too
+CASES_GPU = CASES_2 + [
+    ("mixtral_tiny", "megatron_alltoall", {}, "eager", {}), ("mixtral_tiny", "megatron_alltoall", {}, "partial", {}),
+    ("qwen3_moe_tiny", "megatron_allgather", {}, "partial", {}),
+]
+
+
+def run(rank: int, world: int, port: int, out: str, which: str, device: str = "cpu") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # R processes on a couple of cores
+    cuda = device == "cuda"
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     from moecg.dispatch import make_dispatcher
     from moecg.models import build_model
     from moecg.parallel import init_group, parallelize, shard_experts
     from moecg.parallel.megatron import MEGATRON, cpu_stream_stand_in
 
     results: dict = {}
-    group = init_group(world, "gloo", torch.device("cpu"), 120)
-    cases = CASES_2 if which == "2" else CASES_4
+    group = init_group(world, "nccl" if cuda else "gloo", dev, 120)
+    cases = {"2": CASES_2, "4": CASES_4, "gpu": CASES_GPU}[which]
+    backend = "cuda" if cuda else "emulate"
+    # megatron-core's drop-and-pad path on a CPU build needs its CUDA stream stood in for; on a GPU it has its own
+    stand_in = cpu_stream_stand_in if not cuda else _null
     try:
         for preset in dict.fromkeys(c[0] for c in cases):
             mine = [c for c in cases if c[0] == preset]
             t0 = time.perf_counter()
-            model = build_model(preset, dtype="fp32", device="cpu").model
+            model = build_model(preset, dtype="fp32", device=str(dev)).model  # fp32 on GPUs too: tokens compare
             g = torch.Generator().manual_seed(7)
             vocab = model.config.vocab_size
             prompts = torch.randint(0, vocab, (world * B, PROMPT), generator=g)[rank * B:(rank + 1) * B]
             # references: one process, all experts, the same rows and dispatcher options, eager
-            refs = [_decode(model, make_dispatcher(REFERENCE.get(n, n), **kw), prompts, "eager", {})
+            refs = [_decode(model, make_dispatcher(REFERENCE.get(n, n), **kw), prompts, "eager", {}, backend)
                     for _, n, kw, _, _ in mine]
             shard_experts(model, group)
             for case, (ref, ref_c) in zip(mine, refs):
                 _, name, kw, strategy, extra = case
                 if name in MEGATRON:
-                    with cpu_stream_stand_in():
-                        res, got_c = _decode(model, MEGATRON[name](**kw).bind(group), prompts, strategy, extra)
+                    with stand_in():
+                        res, got_c = _decode(model, MEGATRON[name](**kw).bind(group), prompts, strategy, extra,
+                                             backend)
                 else:
                     res, got_c = _decode(model, parallelize(make_dispatcher(name, **kw), group), prompts, strategy,
-                                         extra)
+                                         extra, backend)
                 bad = [k for k in COUNTERS if not torch.allclose(ref_c[k].double(), got_c[k].double(), rtol=1e-6,
                                                                  atol=1e-6)]
                 results[case_id(case)] = {
@@ -117,3 +132,8 @@ def run(rank: int, world: int, port: int, out: str, which: str) -> None:
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
         group.close()
+
+
+@contextmanager
+def _null():
+    yield

@@ -40,10 +40,14 @@ def _free_port() -> int:
 
 def _spawn(world: int, which: str, out: Path, timeout: float = 240) -> dict[int, dict]:
     """Run ep_worker.run on `world` gloo ranks; returns each rank's results. Never waits past `timeout`."""
+    return _spawn_on(world, which, out, "cpu", timeout)
+
+
+def _spawn_on(world: int, which: str, out: Path, device: str, timeout: float = 240) -> dict[int, dict]:
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(ep_worker.run, args=(world, _free_port(), str(out), which), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(ep_worker.run, args=(world, _free_port(), str(out), which, device), nprocs=world,
+                             join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
