@@ -8,14 +8,15 @@ dispatchers on the same model, rows and ranks, per strategy, with the share of t
 Dims: R ranks, B rows per rank (the job decodes R x B), E experts, El = E/R.
 Every rank builds the model from the same seed, keeps its El experts (moecg.parallel.shard_experts) and decodes B rows
 of its own. Cases (dispatch x strategy): moecg `dropless` (eager, partial, layer, full) and `capacity` (eager,
-partial, capacity), megatron-core's `megatron_alltoall`, `megatron_alltoall_capacity` and `megatron_allgather`
-(eager, partial: they read split sizes on the host, so no graph can hold them; moecg.parallel.megatron).
+partial, capacity), megatron-core's `megatron_alltoall` and `megatron_allgather` (eager, partial: they read split
+sizes on the host, so no graph can hold them) and `megatron_alltoall_capacity` (drop-and-pad: eager, partial and, its
+shapes being fixed, capacity; moecg.parallel.megatron).
 Timing: one warm generate, then the decode steps of one generate after --skip, each the slowest rank's (CUDA events
 on a GPU, perf_counter on CPU); the median. Exchange share: the same case with every exchange replaced by a local
 copy of the same buffers (moecg: `LocalExchange`; megatron-core: its all_to_all / gather / reduce-scatter swapped for
 local stand-ins of the same output size), share = 1 - t_local / t; the local run's tokens are wrong, only its time is
-read. Floor: the slowest rank's HBM floor plus, for moecg, its static all-to-all bytes over NVLink (moecg.floor);
-megatron-core's bytes depend on the routing (n/a).
+read. Floor: the slowest rank's HBM floor plus the static all-to-all bytes over NVLink (moecg.floor); for
+megatron-core's dropless dispatchers the bytes depend on the routing (n/a).
 megatron-core's dispatchers need CUDA (moecg.parallel.megatron says why): elsewhere their rows are skipped with that
 reason. On CPU the graph strategies run on the emulated backend (re-executed, so they save nothing) and the times
 measure gloo on shared cores: the CPU run checks that the script works, it measures nothing worth quoting.
@@ -44,6 +45,7 @@ CASES = [  # dispatch, strategy
     ("capacity", "eager"), ("capacity", "partial"), ("capacity", "capacity"),
     ("megatron_alltoall", "eager"), ("megatron_alltoall", "partial"),
     ("megatron_alltoall_capacity", "eager"), ("megatron_alltoall_capacity", "partial"),
+    ("megatron_alltoall_capacity", "capacity"),
     ("megatron_allgather", "eager"), ("megatron_allgather", "partial"),
 ]
 MEGATRON_NEEDS_CUDA = ("megatron-core's token dispatchers need CUDA (MoEAlltoAllTokenDispatcher makes a torch.cuda.Stream "
@@ -171,8 +173,7 @@ def main(argv=None) -> None:
                           disp.reads_all_experts, group)
         if R == 1:
             return f
-        x = None if not hasattr(disp, "exchange_bytes") or isinstance(disp, _megatron_classes()) else \
-            exchange_floor_ms(disp, model, adapter, engine_prompts[0].shape[0], nvl)
+        x = exchange_floor_ms(disp, model, adapter, engine_prompts[0].shape[0], nvl)  # None: routing-dependent bytes
         return None if x is None else f + x
 
     rows, skipped, engine_prompts = [], set(), [None]
@@ -210,12 +211,6 @@ def main(argv=None) -> None:
                                                    "skipped": {n: MEGATRON_NEEDS_CUDA for n in sorted(skipped)},
                                                    "rows": rows}, indent=2))
     group.close()
-
-
-def _megatron_classes():
-    from moecg.parallel.megatron import MEGATRON
-
-    return tuple(MEGATRON.values())
 
 
 @contextmanager

@@ -45,15 +45,18 @@ def device_nvlink_gbps(device: torch.device) -> tuple[float | None, str]:
 
 
 def exchange_floor_ms(dispatcher, model, adapter, rows: int, nvlink_gbps: float | None) -> float | None:
-    """The all-to-all bytes one decode step of `rows` rows sends from a rank, over NVLink (None: no exchange, or the
-    bandwidth is unknown). The buffers are static, so the bytes are those of the buffers, not of the routing."""
+    """The all-to-all bytes one decode step of `rows` rows sends from a rank, over NVLink (None: no exchange, the
+    bandwidth is unknown, or the bytes depend on the routing). moecg's buffers are static, so the bytes are those of
+    the buffers, not of the routing."""
     if not dispatcher.exchanges or nvlink_gbps is None:
         return None
     cfg = model.config
     elem = next(model.parameters()).element_size()
     E, K = adapter.num_experts(cfg), adapter.top_k(cfg)
-    total = sum(dispatcher.exchange_bytes(rows, K, E, cfg.hidden_size, elem) for _ in adapter.moe_layers(model))
-    return total / (float(nvlink_gbps) * 1e9) * 1e3
+    per_layer = dispatcher.exchange_bytes(rows, K, E, cfg.hidden_size, elem)
+    if per_layer is None:
+        return None
+    return per_layer * len(adapter.moe_layers(model)) / (float(nvlink_gbps) * 1e9) * 1e3
 
 
 def device_bandwidth_gbps(device: torch.device) -> tuple[float | None, str]:

@@ -33,6 +33,9 @@ CASES_2 = [
     # the anchor: megatron-core's MoEAlltoAllTokenDispatcher (drop-and-pad, its only path that runs without CUDA)
     # against one process's `capacity` with the same factor (eager: megatron sizes C from the padded rows)
     ("mixtral_tiny", "megatron_alltoall_capacity", CF, "eager", {}),
+    # and in whole-step graphs (its drop-and-pad path has fixed shapes); 4 rows fill bucket 4: no pad rows, whose
+    # capacity megatron-core would count
+    ("mixtral_tiny", "megatron_alltoall_capacity", CF, "capacity", {"rows": 4}),
 ]
 CASES_4 = [
     (preset, *case) for preset in ("mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny") for case in (
@@ -100,15 +103,21 @@ def run(rank: int, world: int, port: int, out: str, which: str, device: str = "c
             mine = [c for c in cases if c[0] == preset]
             t0 = time.perf_counter()
             model = build_model(preset, dtype="fp32", device=str(dev)).model  # fp32 on GPUs too: tokens compare
-            g = torch.Generator().manual_seed(7)
             vocab = model.config.vocab_size
-            prompts = torch.randint(0, vocab, (world * B, PROMPT), generator=g)[rank * B:(rank + 1) * B]
+
+            def rows_of(case):
+                n = case[4].get("rows", B)
+                g = torch.Generator().manual_seed(7)
+                return torch.randint(0, vocab, (world * n, PROMPT), generator=g)[rank * n:(rank + 1) * n]
+
             # references: one process, all experts, the same rows and dispatcher options, eager
-            refs = [_decode(model, make_dispatcher(REFERENCE.get(n, n), **kw), prompts, "eager", {}, backend)
-                    for _, n, kw, _, _ in mine]
+            refs = [_decode(model, make_dispatcher(REFERENCE.get(c[1], c[1]), **c[2]), rows_of(c), "eager", {},
+                            backend) for c in mine]
             shard_experts(model, group)
             for case, (ref, ref_c) in zip(mine, refs):
                 _, name, kw, strategy, extra = case
+                prompts = rows_of(case)
+                extra = {k: v for k, v in extra.items() if k != "rows"}
                 if name in MEGATRON:
                     with stand_in():
                         res, got_c = _decode(model, MEGATRON[name](**kw).bind(group), prompts, strategy, extra,

@@ -124,9 +124,10 @@ def test_one_rank_variants_equal_single_process_bitwise(ep_cls, base, kw):
     assert parallelize(base(**kw), EPGroup()).__class__ is base  # ep=1 keeps today's dispatcher itself
 
 
-def test_megatron_dispatchers_need_cuda_and_are_not_graph_safe():
-    """What the README and bench_ep.py say of megatron-core's dispatchers: constructing them needs CUDA here, and
-    moecg refuses to capture them (strategy=partial keeps them eager, between attention graphs)."""
+def test_megatron_dispatchers_need_cuda_and_which_capture():
+    """What the README and bench_ep.py say of megatron-core's dispatchers: constructing them needs CUDA here; moecg
+    refuses to capture the dropless ones (strategy=partial keeps them eager, between attention graphs) and captures the
+    drop-and-pad one (fixed shapes) with the capacity strategy."""
     from moecg.capture import StrategyError, validate
     from moecg.parallel.megatron import MEGATRON
 
@@ -134,10 +135,12 @@ def test_megatron_dispatchers_need_cuda_and_are_not_graph_safe():
     if not torch.cuda.is_available():
         with pytest.raises((RuntimeError, AssertionError), match="CUDA"):
             d._dispatcher(8, 2, 16, torch.float32)
-    for strategy in ("full", "layer"):
-        with pytest.raises(StrategyError, match="not graph-safe"):
-            validate(strategy, d, 2)
-    validate("partial", d, 2)
+    for name in ("megatron_alltoall", "megatron_allgather"):
+        for strategy in ("full", "layer"):
+            with pytest.raises(StrategyError, match="not graph-safe"):
+                validate(strategy, MEGATRON[name](), 2)
+        validate("partial", MEGATRON[name](), 2)
+    validate("capacity", MEGATRON["megatron_alltoall_capacity"](), 2)
 
 
 class CountingExchange:
@@ -274,6 +277,25 @@ def test_torchrun_failing_rank_fails_the_job_with_its_error(tmp_path):
     assert res["error"] == "rank 1 of 2: RuntimeError: injected failure on rank 1 at expert-parallel call 30"
     assert "injected failure" in res["traceback"]
     assert "rank 0 of 2 stopped" in p.stderr and "rank 1 failed first" in p.stderr
+
+
+@pytest.mark.parametrize("args,phase,msg", [
+    (["dispatch=dynamic"], "plan", "dispatch=dynamic has no expert-parallel variant: use dispatch=dropless or "
+                                   "dispatch=capacity with parallel.ep=2"),
+    (["--multirun", "batch_size=1,2"], "setup", "a multirun under torchrun (2 processes): each configuration needs "
+                                                "every rank"),
+], ids=["plan-error", "multirun"])
+def test_torchrun_job_refused_before_any_work(tmp_path, args, phase, msg):
+    """Every rank refuses the same config before a process group exists: one results.json, the first rank's."""
+    p = _torchrun(tmp_path, 2, *args, "parallel.ep=2", *QUICK, f"hydra.run.dir={tmp_path / 'job'}",
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}", timeout=120)
+    assert p.returncode != 0
+    found = list(tmp_path.rglob("results.json"))
+    assert len(found) == 1, found
+    res = json.loads(found[0].read_text())
+    assert res["status"] == "failed" and res["phase"] == phase
+    assert res["error"].split(": ", 1)[1].startswith(("PlanError: ", "RuntimeError: ")) and msg in res["error"]
+    assert res["error"].startswith(("rank 0 of 2: ", "rank 1 of 2: "))
 
 
 def test_ep1_matches_todays_path_in_process_and_under_torchrun(tmp_path):

@@ -8,14 +8,18 @@ permuted probabilities, as megatron-core's experts do):
     (`.tolist()`, a device-to-host copy on its side stream and a sync), so it cannot be captured: `graph_safe` is
     False and `partial` (the MoE eager between attention graphs) is the most of the step a graph can hold.
   - `megatron_alltoall_capacity`: the same dispatcher with `moe_pad_expert_input_to_capacity` (drop-and-pad): the
-    router's `apply_router_token_dropping(..., pad_to_capacity=True)` keeps C per expert (`probs` order, C from the
-    T tokens run), equal splits. Its `preprocess` sizes buffers from host ints and `permute` indexes by host counts.
+    router's `apply_router_token_dropping(..., pad_to_capacity=True)` fills exactly C slots per expert (`probs` order),
+    the all-to-all has equal splits and `permute` an argsort: megatron-core wrote this path for CUDA graphs, and with
+    the experts run as one batched GEMM over the fixed [El, R*C, D] (no token counts from the host) the whole layer is
+    graph-safe here too. Unlike moecg's `capacity`, C comes from the T rows run (a padded bucket), not the real ones,
+    so a padded batch keeps more than it would unpadded.
   - `megatron_allgather`: MoEAllGatherTokenDispatcher, dropless: every rank gathers every token, keeps those of its
     experts (`.cpu()` of the counts), and reduce-scatters the outputs back.
 They need CUDA: the all-to-all dispatcher creates a `torch.cuda.Stream` when constructed, and both allocate their
 gathered / all-to-all-v outputs on `torch.cuda.current_device()` (megatron-core 0.16). On a CPU build the drop-and-pad
 path alone runs once that stream is stood in for (`cpu_stream_stand_in`, which moecg's CPU test uses; that path never
-touches the stream), so the wrapper's routing, expert and combine logic is tested against moecg's `capacity`.
+touches the stream), so the wrapper's routing, expert and combine logic is tested against moecg's `capacity`, eagerly
+and in emulated graphs.
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ from typing import ClassVar
 import torch
 
 from moecg.dispatch import register_experts_impl
-from moecg.dispatch.base import Dispatcher, count_valid, expert_mlp_grouped, route_counts, routed_mass
+from moecg.dispatch.base import (Dispatcher, count_valid, expert_mlp_grouped, expert_mlp_padded, route_counts,
+                                 routed_mass)
 
 
 def _megatron():
@@ -58,7 +63,7 @@ def cpu_stream_stand_in():
 class _Megatron(Dispatcher):
     """One megatron-core dispatcher per (T, E, K, D, dtype), built on first use over megatron-core's own EP group."""
 
-    graph_safe: ClassVar[bool] = False  # split sizes and token counts read on the host
+    graph_safe: ClassVar[bool] = False  # dropless: split sizes and token counts read on the host
     exchanges: ClassVar[bool] = True
     kind: ClassVar[str] = "alltoall"
     capacity_factor: float = 0.0  # > 0: drop-and-pad (megatron_alltoall_capacity)
@@ -108,8 +113,13 @@ class _Megatron(Dispatcher):
         x, p = disp.dispatch_preprocess(hidden, routing_map, probs)
         x, p = disp.token_dispatch(x, p)
         x, tokens_per_expert, p = disp.dispatch_postprocess(x, p)  # x sorted by local expert
-        offsets = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)  # [El]
-        y = expert_mlp_grouped(experts, x, offsets)  # [S_local, D]
+        if self.capacity_factor > 0:
+            El = experts.gate_up_proj.shape[0]
+            # drop-and-pad: R*C rows per local expert, fixed; tokens_per_expert is a host tensor a graph cannot read
+            y = expert_mlp_padded(experts, x.reshape(El, -1, x.shape[-1])).reshape(x.shape)  # [El*R*C, D]
+        else:
+            offsets = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)  # [El] (host counts)
+            y = expert_mlp_grouped(experts, x, offsets)  # [S_local, D]
         y = (y.float() * p.float()[:, None]).to(hidden.dtype)  # megatron-core's experts scale by the probabilities
         out = disp.combine_postprocess(disp.token_combine(disp.combine_preprocess(y)))  # [T, D]
         if counters is not None:
@@ -120,8 +130,8 @@ class _Megatron(Dispatcher):
                 counters.add_capacity(self.capacity_for(T, K, E))
         return out.to(hidden.dtype)
 
-    def exchange_bytes(self, num_tokens: int, top_k: int, num_experts: int, hidden: int, elem: int) -> int:
-        raise NotImplementedError("megatron-core's all-to-all-v bytes depend on the routing")
+    def exchange_bytes(self, num_tokens: int, top_k: int, num_experts: int, hidden: int, elem: int) -> int | None:
+        return None  # all-to-all-v / all-gather: the bytes depend on the routing
 
 
 @dataclass
@@ -132,12 +142,19 @@ class MegatronAlltoAll(_Megatron):
 @dataclass
 class MegatronAlltoAllCapacity(_Megatron):
     name: ClassVar[str] = "megatron_alltoall_capacity"
+    graph_safe: ClassVar[bool] = True  # drop-and-pad: fixed shapes, equal splits (module docstring)
     drops: ClassVar[bool] = True
     capacity_factor: float = 1.25
 
     def capacity_for(self, num_tokens: int, top_k: int, num_experts: int) -> int:
         return _megatron()[2].get_capacity(num_tokens=num_tokens * top_k, num_experts=num_experts,
                                            capacity_factor=self.capacity_factor)
+
+    def exchange_bytes(self, num_tokens: int, top_k: int, num_experts: int, hidden: int, elem: int) -> int:
+        """Tokens there and back (probabilities too, fp32, on the way there), as moecg's capacity: the C x E slots."""
+        R = self.exchange.size
+        slots = self.capacity_for(num_tokens, top_k, num_experts) * num_experts * (R - 1) // R
+        return slots * (2 * hidden * elem + 4)
 
 
 @dataclass
