@@ -12,8 +12,9 @@ OUT=${1:-experiments/results/h200x8/ep}
 WHAT=${2:-all}
 EPS=${EPS:-"1 2 4 8"}
 MODELS=${MODELS:-"mixtral_8x7b: qwen3_30b_a3b: qwen3_235b_a22b:16"}
-BATCH=${BATCH:-"1 8 32"}
-STRATEGIES=${STRATEGIES:-"partial full capacity"}
+BATCH=${BATCH:-"1 8 32"}                 # bench_ep.py: rows per rank, every strategy, one build per torchrun
+RUN_BATCH=${RUN_BATCH:-"8"}              # moecg.run jobs (a build and ~370 decode steps each)
+STRATEGIES=${STRATEGIES:-"full capacity"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
@@ -30,7 +31,7 @@ for m in $MODELS; do
     fi
     if [ "$WHAT" = runs ] || [ "$WHAT" = all ]; then
       for s in $STRATEGIES; do
-        for bs in $BATCH; do
+        for bs in $RUN_BATCH; do
           d="$OUT/run_${p}_ep${ep}_${s}_bs${bs}"
           torchrun --standalone --nproc-per-node "$ep" -m moecg.run parallel.ep="$ep" model="$p" \
             ${l:+model.num_layers="$l"} strategy="$s" batch_size="$bs" new_tokens=32 prompt_len=32 measure.repeats=3 \
