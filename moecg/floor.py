@@ -1,9 +1,13 @@
-"""The HBM floor of a decode step: the bytes it must read, over the device's memory bandwidth.
+"""The floor of a decode step: the bytes it must read over the device's memory bandwidth, plus, with expert
+parallelism, the bytes its all-to-alls send over the NVLink bandwidth.
 
-Dims: B rows, D hidden, L layers, E experts, H kv heads, Dh head dim, S live context.
+Dims: B rows, D hidden, L layers, E experts, H kv heads, Dh head dim, S live context, R expert-parallel ranks.
 A step must read every non-expert weight, the experts it routes to (all E for a dispatcher that
 `reads_all_experts`), one embedding row per row and the live KV. Bandwidth is a fact of the device: known
 devices have a measured value below; anywhere else the floor is null unless `measure.hbm_bandwidth_gbps` is set.
+With R ranks each rank reads its own weights, its experts that any rank's tokens hit and its KV; the step's floor
+is the slowest rank's, plus the exchange's bytes (what a rank sends to the others, there and back) over the
+per-direction NVLink bandwidth (a rank sends and receives at once).
 """
 from __future__ import annotations
 
@@ -17,15 +21,47 @@ DEVICE_BANDWIDTH_GBPS = {
 }
 
 
-def device_bandwidth_gbps(device: torch.device) -> tuple[float | None, str]:
-    """(GB/s, where it came from) for this device; (None, 'unknown') where no measured value exists (CPUs)."""
+# NVLink bandwidth per GPU and direction (GB/s), by device name: a datasheet figure, not measured by moecg (no
+# multi-GPU machine has been lent yet). H200 SXM: "NVLink: 900GB/s" in NVIDIA's H200 Tensor Core GPU datasheet
+# (nvidia.com/en-us/data-center/h200), the bidirectional total of 18 NVLink 4 links, i.e. 450 GB/s each way.
+NVLINK_BANDWIDTH_GBPS = {
+    "NVIDIA H200": 450.0,
+}
+
+
+def _by_name(device: torch.device, table: dict) -> tuple[float | None, str]:
     if device.type != "cuda":
         return None, "unknown"
     name = torch.cuda.get_device_name(device)
-    for known, bw in DEVICE_BANDWIDTH_GBPS.items():
+    for known, bw in table.items():
         if name.startswith(known):
             return bw, "device table"
     return None, "unknown"
+
+
+def device_nvlink_gbps(device: torch.device) -> tuple[float | None, str]:
+    """(GB/s per direction, source) of this device's NVLink; (None, 'unknown') off the table (CPUs, gloo)."""
+    return _by_name(device, NVLINK_BANDWIDTH_GBPS)
+
+
+def exchange_floor_ms(dispatcher, model, adapter, rows: int, nvlink_gbps: float | None) -> float | None:
+    """The all-to-all bytes one decode step of `rows` rows sends from a rank, over NVLink (None: no exchange, the
+    bandwidth is unknown, or the bytes depend on the routing). moecg's buffers are static, so the bytes are those of
+    the buffers, not of the routing."""
+    if not dispatcher.exchanges or nvlink_gbps is None:
+        return None
+    cfg = model.config
+    elem = next(model.parameters()).element_size()
+    E, K = adapter.num_experts(cfg), adapter.top_k(cfg)
+    per_layer = dispatcher.exchange_bytes(rows, K, E, cfg.hidden_size, elem)
+    if per_layer is None:
+        return None
+    return per_layer * len(adapter.moe_layers(model)) / (float(nvlink_gbps) * 1e9) * 1e3
+
+
+def device_bandwidth_gbps(device: torch.device) -> tuple[float | None, str]:
+    """(GB/s, where it came from) for this device; (None, 'unknown') where no measured value exists (CPUs)."""
+    return _by_name(device, DEVICE_BANDWIDTH_GBPS)
 
 
 def floor_bytes(model, adapter, experts_hit: list[int], rows: int, context: int) -> float:
@@ -62,11 +98,12 @@ def _expert_params(experts) -> list:
 
 
 def step_floor_ms(engine, adapter, prompts, bandwidth_gbps: float | None, context: int,
-                  pads_all_experts: bool) -> float | None:
+                  pads_all_experts: bool, group=None) -> float | None:
     """HBM floor of one decode step: prefill, count which experts ONE step touches, price the bytes it must read.
 
     `pads_all_experts`: the dispatcher reads every expert's weights whatever is routed (`reads_all_experts`).
-    Leaves the drop counters reset to that one step. None when the bandwidth is unknown.
+    group (moecg.parallel.EPGroup, R ranks): each rank prices its own experts that any rank's tokens hit; the floor
+    is the slowest rank's. Leaves the drop counters reset to that one step. None when the bandwidth is unknown.
     """
     if bandwidth_gbps is None:
         return None
@@ -78,7 +115,12 @@ def step_floor_ms(engine, adapter, prompts, bandwidth_gbps: float | None, contex
     rows_run = engine.rows_for(B)
     state.set_rows(B, rows_run)
     engine.step_impl(engine.ids, rows_run)
-    hits = state.snapshot()["experts_hit_per_layer"]
-    if pads_all_experts:
-        hits = [state.num_experts] * len(hits)
-    return floor_bytes(engine.model, adapter, hits, B, context) / (float(bandwidth_gbps) * 1e9) * 1e3
+    if group is None or group.size == 1:
+        hits = state.snapshot()["experts_hit_per_layer"]
+        if pads_all_experts:
+            hits = [state.num_experts] * len(hits)
+        return floor_bytes(engine.model, adapter, hits, B, context) / (float(bandwidth_gbps) * 1e9) * 1e3
+    routed = torch.tensor(state.snapshot(reduce=group.sum_)["routed"])  # [L, E] every rank's tokens
+    lo, hi = group.experts(state.num_experts)
+    hits = [hi - lo] * routed.shape[0] if pads_all_experts else (routed[:, lo:hi] > 0).sum(1).tolist()
+    return group.max(floor_bytes(engine.model, adapter, hits, B, context) / (float(bandwidth_gbps) * 1e9) * 1e3)

@@ -1,13 +1,19 @@
 """The one measurement harness: a resolved run plan -> a results record (`moecg.schema`).
 
-Dims: B rows, V vocab. The same order of work for every strategy, so numbers compare, each a phase the user sees:
-  plan (validate everything, no CUDA work) -> build -> reference (dropless eager: tokens and logits)
-  -> baseline (eager with the run's dispatch, timed) -> capture -> timed repeats (counters from the first)
-  -> fidelity -> floor (one counted step) -> quality (byte-level models) -> the record.
-A serving workload (workload=poisson | trace) runs on moecg.ragged.RaggedEngine instead:
+Dims: B rows, V vocab, R expert-parallel ranks. The same order of work for every strategy, so numbers compare, each a
+phase the user sees:
+  plan (validate everything, no CUDA work) -> parallel (process groups) -> build -> reference (dropless eager: tokens
+  and logits) -> baseline (eager with the run's dispatch, timed) -> capture -> timed repeats (counters from the
+  first) -> fidelity -> floor (one counted step) -> quality (byte-level models) -> the record.
+A serving workload (workload=poisson | trace) runs on moecg.ragged.RaggedEngine instead (one process):
   plan -> build -> reference (the first measure.fidelity_rows requests, each decoded alone, dropless eager)
   -> anchor (transformers' continuous batching, workload.anchor) -> capture -> warm (one request) -> serve (the
   requests in real time, moecg.serving) -> quality -> the record.
+
+With R ranks (moecg.parallel) every rank runs this same sequence on its own B rows, with its E/R experts and the
+expert-parallel variant of each dispatcher, so every all-to-all has its partner on every rank. The record is the
+job's: counters summed over ranks, step times the slowest rank's, fidelity over every rank's rows. One rank (an
+`EPGroup()` of size 1) goes through the same calls, each of them the identity.
 """
 from __future__ import annotations
 
@@ -24,8 +30,9 @@ from moecg.capture import Capture
 from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.engine import DecodeEngine
 from moecg.fidelity import agreement, logit_agreement
-from moecg.floor import step_floor_ms
+from moecg.floor import exchange_floor_ms, step_floor_ms
 from moecg.models import build_model
+from moecg.parallel import EPGroup, parallelize, shard_experts
 from moecg.plan import RunPlan, resolve_plan
 from moecg.report import env_fields, percentile
 from moecg.schema import NAMES, SERVING, ok_record
@@ -56,8 +63,12 @@ class Phases:
         self.say(f"[{name}] done in {time.perf_counter() - t0:.1f} s")
 
 
-def _timed_generate(engine, plan: RunPlan, phases: Phases | None = None, progress=None, steps_left: int = 0):
-    """One untimed warm call, then `repeats` timed calls; returns (per-step ms pooled, first (result, counters))."""
+def _timed_generate(engine, plan: RunPlan, phases: Phases | None = None, progress=None, steps_left: int = 0,
+                    group: EPGroup | None = None):
+    """One untimed warm call, then `repeats` timed calls; returns (per-step ms pooled, first (result, counters)).
+
+    group: step times are the slowest rank's, counters the sum over ranks."""
+    group = group or EPGroup()
     m = plan.measure
     t0 = time.perf_counter()
     engine.generate(plan.prompts, plan.new_tokens, timing=False)
@@ -71,8 +82,10 @@ def _timed_generate(engine, plan: RunPlan, phases: Phases | None = None, progres
         if r == 0:
             state.reset()
         res = engine.generate(plan.prompts, plan.new_tokens, progress=progress, count_prefill=False)
+        if group.size > 1:
+            res.step_ms, res.prefill_ms = group.max_each(res.step_ms), group.max(res.prefill_ms)
         if r == 0:
-            first = (res, state.snapshot())
+            first = (res, state.snapshot(reduce=group.sum_ if group.size > 1 else None))
         steps += res.step_ms[m.skip_steps:]
     return steps, first
 
@@ -84,12 +97,18 @@ def _spread(steps) -> float | None:
     return percentile(steps, 0.9) / p50 if p50 > 0 else None
 
 
-def run_experiment(cfg_or_plan, progress=None, phases: Phases | None = None) -> dict:
-    """Run one configuration end to end; returns the flat results record (see README 'Results schema')."""
+def run_experiment(cfg_or_plan, progress=None, phases: Phases | None = None, group: EPGroup | None = None) -> dict:
+    """Run one configuration end to end; returns the flat results record (see README 'Results schema').
+
+    group: this rank's expert-parallel group (moecg.parallel.init_group) when the plan has parallel.ep > 1."""
     phases = phases or Phases()
     plan = plan_of(cfg_or_plan, phases)
     phases.say(f"plan: {plan.describe()}")
-    return _run(plan, progress, phases)
+    group = group or EPGroup(device=plan.device)
+    if group.size != plan.parallel.ep:
+        raise ValueError(f"the plan has parallel.ep={plan.parallel.ep} but this process is one of {group.size} "
+                         "expert-parallel ranks: pass moecg.parallel.init_group(...) of the plan's size")
+    return _run(plan, progress, phases, group)
 
 
 def plan_of(cfg_or_plan, phases: Phases) -> RunPlan:
@@ -100,12 +119,16 @@ def plan_of(cfg_or_plan, phases: Phases) -> RunPlan:
         return resolve_plan(cfg_or_plan)
 
 
-def _build(plan: RunPlan, phases: Phases):
+def _build(plan: RunPlan, phases: Phases, group: EPGroup | None = None):
     mp = plan.model
     with phases("build", f"building {mp.preset or mp.pretrained_path} ({mp.layers} layers) on {plan.device.type}"):
-        return build_model(mp.preset, pretrained_path=mp.pretrained_path, num_layers=mp.num_layers,
-                           dtype=mp.dtype, device=str(plan.device), seed=plan.seed, router_skew=mp.router_skew,
-                           attn_implementation=mp.attn_implementation)
+        built = build_model(mp.preset, pretrained_path=mp.pretrained_path, num_layers=mp.num_layers,
+                            dtype=mp.dtype, device=str(plan.device), seed=plan.seed, router_skew=mp.router_skew,
+                            attn_implementation=mp.attn_implementation)
+        span = shard_experts(built.model, group) if group is not None else None  # the same seed on every rank
+        if span is not None:
+            phases.say(f"rank {group.rank} of {group.size} holds experts {span[0]}..{span[1] - 1}")
+        return built
 
 
 def _capture(engine, plan: RunPlan, rows: int, phases: Phases) -> Capture:
@@ -122,7 +145,7 @@ def _capture(engine, plan: RunPlan, rows: int, phases: Phases) -> Capture:
     return cap
 
 
-def _identity(plan: RunPlan, built, state, stats: dict) -> dict:
+def _identity(plan: RunPlan, built, state, stats: dict, group: EPGroup) -> dict:
     """What ran and how: the fields every record opens with, fixed or serving."""
     model, d = built.model, plan.dispatcher.describe()
     return {
@@ -133,6 +156,7 @@ def _identity(plan: RunPlan, built, state, stats: dict) -> dict:
         "dispatch": d["dispatch"], "capacity_factor": d["capacity_factor"], "drop_policy": d["drop_policy"],
         "prefill_dispatch": plan.prefill_dispatcher.name if plan.prefill_dispatcher else d["dispatch"],
         "router_skew": plan.model.router_skew, "kernels": stats["kernels"], "kernel_backend": stats["kernel_backend"],
+        "ep": group.size, "ep_backend": group.backend if group.size > 1 else None,
     }
 
 
@@ -142,10 +166,10 @@ def _capture_fields(stats: dict) -> dict:
             "capture_buckets": {str(k): v for k, v in stats["buckets"].items()}}
 
 
-def _memory_fields(plan: RunPlan, built) -> dict:
+def _memory_fields(plan: RunPlan, built, group: EPGroup) -> dict:
     cuda = built.device.type == "cuda"
-    return {"peak_mem_mib": (torch.cuda.max_memory_allocated(built.device) if cuda else
-                             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20,
+    return {"peak_mem_mib": group.max((torch.cuda.max_memory_allocated(built.device) if cuda else
+                                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20),
             "peak_mem_kind": "cuda_allocated" if cuda else "process_rss",
             "memory_estimate_mib": plan.memory_bytes / 2**20, "build_s": built.build_s}
 
@@ -156,12 +180,14 @@ def _drop_fields(drops: dict) -> dict:
     return {k: drops[k] for k in keys}
 
 
-def _run(plan: RunPlan, progress, phases: Phases) -> dict:
-    if plan.serving:
-        return _serve(plan, progress, phases)
+def _run(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
+    if plan.serving:  # one process (the plan refuses serving with parallel.ep > 1)
+        return _serve(plan, progress, phases, group)
     m = plan.measure
-    dispatcher = plan.dispatcher
-    built = _build(plan, phases)
+    # every dispatcher this run attaches, as its expert-parallel variant over `group` (itself on one rank)
+    par = lambda d: parallelize(d, group)  # noqa: E731
+    dispatcher = par(plan.dispatcher)
+    built = _build(plan, phases, group)
     model, dev = built.model, built.device
     prompts, B, rows = plan.prompts, plan.batch_size, plan.max_rows
     cuda = dev.type == "cuda"
@@ -174,23 +200,23 @@ def _run(plan: RunPlan, progress, phases: Phases) -> dict:
     keep = m.fidelity_rows
     if m.fidelity:
         with phases("reference", "dropless eager decode (the fidelity reference)"):
-            attach(model, make_dispatcher("dropless"), max_rows=rows)
+            attach(model, par(make_dispatcher("dropless")), max_rows=rows)
             ref = DecodeEngine(model, plan.max_cache_len, rows).generate(prompts, plan.new_tokens, keep_logits=keep,
                                                                          timing=False)
             detach(model)
             left -= per_pass
-    attach(model, dispatcher, max_rows=rows).prefill_dispatcher = plan.prefill_dispatcher
+    attach(model, dispatcher, max_rows=rows).prefill_dispatcher = par(plan.prefill_dispatcher)
     engine = DecodeEngine(model, plan.max_cache_len, rows)
     eager_steps = None
     if plan.needs_baseline:
         with phases("baseline", f"strategy=eager with dispatch={dispatcher.name}, {m.repeats} timed repeats"):
-            eager_steps, _ = _timed_generate(engine, plan, phases, steps_left=left - per_pass)
+            eager_steps, _ = _timed_generate(engine, plan, phases, steps_left=left - per_pass, group=group)
             left -= (m.repeats + 1) * per_pass
 
     cap = _capture(engine, plan, rows, phases)
     with phases("timed", f"{m.repeats} timed repeats of {plan.new_tokens} tokens x {B} rows"):
         steps, (first_res, drops) = _timed_generate(engine, plan, phases if eager_steps is None else None,
-                                                    progress, steps_left=left - per_pass)
+                                                    progress, steps_left=left - per_pass, group=group)
     res = forced = None
     if ref is not None:
         with phases("fidelity", "greedy and teacher-forced decode vs the reference"):
@@ -200,7 +226,10 @@ def _run(plan: RunPlan, progress, phases: Phases) -> dict:
     state = state_of(model)
     with phases("floor", "HBM floor from one counted step"):
         floor_ms = step_floor_ms(engine, built.adapter, prompts, m.hbm_bandwidth_gbps,
-                                 plan.prompt_len + plan.new_tokens // 2, dispatcher.reads_all_experts)
+                                 plan.prompt_len + plan.new_tokens // 2, dispatcher.reads_all_experts, group)
+        xfloor_ms = exchange_floor_ms(dispatcher, model, built.adapter, engine.rows_for(B), m.nvlink_bandwidth_gbps)
+        if floor_ms is not None and xfloor_ms is not None:
+            floor_ms += xfloor_ms
     stats = cap.stats()
     p50 = statistics.median(steps) if steps else float("nan")
     # no graphs and HF's modules: the run executed the baseline's own code path, a ratio would only measure noise
@@ -216,20 +245,21 @@ def _run(plan: RunPlan, progress, phases: Phases) -> dict:
         cap_used = cap_buffer = None
 
     out: dict = {
-        **_identity(plan, built, state, stats), "workload": "fixed",
+        **_identity(plan, built, state, stats, group), "workload": "fixed",
         "batch_size": B, "bucket": rows_run if stats["captured"] else None,
         "prompt_len": plan.prompt_len, "new_tokens": plan.new_tokens, "max_cache_len": plan.max_cache_len,
         "seed": plan.seed, "prompts": plan.prompts_kind, "capacity": cap_used, "capacity_buffer": cap_buffer,
         **_capture_fields(stats),
         "ms_per_token_p50": p50, "ms_per_token_p90": percentile(steps, 0.9),
         "latency_spread": spread, "latency_noisy": bool(spread is not None and spread > NOISY_SPREAD),
-        "tokens_per_s": B * 1e3 / p50 if p50 == p50 and p50 > 0 else None,
+        "tokens_per_s": B * group.size * 1e3 / p50 if p50 == p50 and p50 > 0 else None,
         "step_ms": first_res.step_ms, "prefill_ms": first_res.prefill_ms,
         "eager_ms_per_token_p50": eager_p50,
         "speedup_vs_eager": None if same_path or not eager_p50 or not p50 > 0 else eager_p50 / p50,
-        **_memory_fields(plan, built),
+        **_memory_fields(plan, built, group),
         "floor_ms": floor_ms, "floor_ratio": p50 / floor_ms if floor_ms else None,
         "hbm_bandwidth_gbps": m.hbm_bandwidth_gbps, "bandwidth_source": m.bandwidth_source,
+        "exchange_floor_ms": xfloor_ms, "nvlink_bandwidth_gbps": m.nvlink_bandwidth_gbps if group.size > 1 else None,
         **_drop_fields(drops),
         "token_agreement_vs_eager": None, "max_logit_diff_vs_eager": None, "token_agreement_forced_vs_eager": None,
         **{n: None for n in SERVING},
@@ -239,12 +269,13 @@ def _run(plan: RunPlan, progress, phases: Phases) -> dict:
                    "re-run before quoting ms_per_token")
     if ref is not None:
         agree, diff = logit_agreement(ref, res, keep)
-        out["token_agreement_vs_eager"], out["max_logit_diff_vs_eager"] = agree, diff
+        # every rank has B rows and as many steps: the mean of the ranks' rates is the job's rate
+        out["token_agreement_vs_eager"], out["max_logit_diff_vs_eager"] = group.mean(agree), group.max(diff)
         # teacher-forced: every step gets eager's tokens as input, so one early flip does not fail every later one
-        out["token_agreement_forced_vs_eager"] = agreement(ref.tokens, res.tokens, forced.tokens)[1]
+        out["token_agreement_forced_vs_eager"] = group.mean(agreement(ref.tokens, res.tokens, forced.tokens)[1])
     if m.heldout_bpb:
         with phases("quality", f"held-out bits per byte ({m.heldout_bytes} bytes), this dispatch and dropless"):
-            out.update(_quality(m.heldout_bytes, model, dispatcher))
+            out.update(_quality(m.heldout_bytes, model, dispatcher, par))
     else:
         out.update(heldout_bpb=None, heldout_bpb_delta_vs_dropless=None)
     out.update(env_fields())
@@ -254,7 +285,7 @@ def _run(plan: RunPlan, progress, phases: Phases) -> dict:
     return ok_record(out)
 
 
-def _serve(plan: RunPlan, progress, phases: Phases) -> dict:
+def _serve(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
     """A serving workload on RaggedEngine (module docstring): one pass over the requests, in real time."""
     from moecg.anchor import serve_hf, token_agreement
     from moecg.ragged import RaggedEngine
@@ -289,11 +320,11 @@ def _serve(plan: RunPlan, progress, phases: Phases) -> dict:
     drops = state.snapshot()
     stats = cap.stats()
     out: dict = {n: None for n in NAMES}
-    out.update(_identity(plan, built, state, stats))
+    out.update(_identity(plan, built, state, stats, group))
     out.update(workload=wl.name, workload_rate=wl.rate, workload_file=wl.file, max_batch=wl.max_batch,
                max_cache_len=plan.max_cache_len, seed=plan.seed, prompts=plan.prompts_kind,
                capacity=drops["capacity_used"] if dispatcher.drops else None, **_capture_fields(stats),
-               latency_noisy=None, **_memory_fields(plan, built),
+               latency_noisy=None, **_memory_fields(plan, built, group),
                hbm_bandwidth_gbps=m.hbm_bandwidth_gbps, bandwidth_source=m.bandwidth_source, **_drop_fields(drops))
     out.update(request_metrics(tl.requests))
     out.update(step_metrics(tl.steps, tl.prefills, tl.drops_by_batch))
@@ -327,14 +358,16 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def _quality(n: int, model, dispatcher) -> dict:
-    """Held-out bits-per-byte under the run's dispatch and its delta vs dropless (byte-level models only)."""
+def _quality(n: int, model, dispatcher, par=lambda d: d) -> dict:
+    """Held-out bits-per-byte under the run's dispatch and its delta vs dropless (byte-level models only).
+
+    With expert parallelism every rank scores the same windows (so the all-to-alls pair up) and gets the same number."""
     from moecg.quality import heldout_bpb
 
     state_of(model).n_rows = None  # teacher-forced windows: every row is real
     bpb = heldout_bpb(model, max_bytes=n)
     detach(model)
-    attach(model, make_dispatcher("dropless"))
+    attach(model, par(make_dispatcher("dropless")))
     base = heldout_bpb(model, max_bytes=n)
     detach(model)
     attach(model, dispatcher)

@@ -18,6 +18,7 @@ import torch
 from moecg.capture.buckets import bucket_for, validate_buckets
 from moecg.capture.plan import COMPILE_MODES, KERNELS, StrategyError, StrategySpec, validate, validate_capture
 from moecg.dispatch import REGISTRY, Dispatcher, make_dispatcher
+from moecg.parallel.plan import ParallelError, ParallelPlan, resolve_parallel
 
 BACKENDS = ("auto", "cuda", "emulate", "none")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
@@ -86,6 +87,8 @@ class MeasurePlan:
     fidelity_rows: int
     hbm_bandwidth_gbps: float | None  # None: unknown for this device (no floor)
     bandwidth_source: str  # "config" | "device table" | "unknown"
+    nvlink_bandwidth_gbps: float | None  # per direction, for the all-to-all floor (parallel.ep > 1); None: unknown
+    nvlink_source: str  # "config" | "device table" | "unknown"
     heldout_bpb: bool
     heldout_bytes: int
 
@@ -126,6 +129,7 @@ class RunPlan:
     @property
     def serving(self) -> bool:
         return self.workload is not None and self.workload.serving
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)  # expert parallelism (ep=1: one process)
 
     def describe(self) -> str:
         d = self.dispatcher
@@ -140,7 +144,9 @@ class RunPlan:
                 f"{self.dtype}) on {self.device.type} | strategy={self.strategy.name}"
                 f"{' kernels=' + self.kernels if self.kernels != 'hf' else ''} | dispatch={d.name}"
                 f"{' (' + opts + ')' if opts else ''} | batch {self.batch_size}"
-                f"{' in bucket ' + str(self.bucket) if self.bucket else ''} | prompt {self.prompt_len} + "
+                f"{' in bucket ' + str(self.bucket) if self.bucket else ''}"
+                f"{f' per rank x {self.parallel.ep} ranks ({self.parallel.backend})' if self.parallel.ep > 1 else ''}"
+                f" | prompt {self.prompt_len} + "
                 f"{self.new_tokens} new | ~{self.decode_steps} decode steps | ~{self.memory_bytes / 2**30:.2f} GiB")
 
 
@@ -244,25 +250,43 @@ def resolve_plan(cfg) -> RunPlan:
     if serving:
         _check_ragged(model, kernels, compile_, workload.name)
 
+    from moecg.models.adapter import ADAPTERS
+
+    try:
+        parallel = resolve_parallel(cfg.parallel, device, ADAPTERS[model.family].num_experts(model.config),
+                                    (dispatcher, prefill_dispatcher), compile_)
+    except ParallelError as e:
+        raise PlanError(str(e)) from None
+    if serving and parallel.ep > 1:
+        raise PlanError(f"workload={workload.name} with parallel.ep={parallel.ep}: serving runs on one process "
+                        "(expert-parallel ragged decode is not built); use workload=fixed or parallel.ep=1")
+    if parallel.ep > 1 and device.type == "cuda":
+        device = torch.device("cuda", parallel.local_rank)  # one GPU per rank
+
     resolved_backend = ("cuda" if device.type == "cuda" else "none") if backend == "auto" else backend
     captures = spec.scope != "eager" and resolved_backend != "none"
     bucket = bucket_for(batch, buckets) if captures else None
     max_rows = max(bucket or batch, batch)
 
-    measure = _measure_plan(cfg.measure, device, model, None if serving else new_tokens)
+    measure = _measure_plan(cfg.measure, device, model, None if serving else new_tokens, parallel.ep)
     prompts_kind = _choice(cfg.prompts, "prompts", PROMPTS)
     if prompts_kind != "file" and cfg.prompt_file:
         raise PlanError(f"prompt_file is only read with prompts=file (got prompts={prompts_kind}): "
                         "add prompts=file or drop prompt_file")
     from moecg.prompts import PromptError, make_prompts
 
+    ep, rank = parallel.ep, parallel.rank
     if serving:
         prompts = torch.zeros(0, 0, dtype=torch.long)  # each request's prompt: workload.prompts
     else:
         try:
-            prompts = make_prompts(prompts_kind, batch, prompt_len, seed, model.config.vocab_size, cfg.prompt_file)
+            # every rank decodes batch_size rows of its own: rows [rank*B, (rank+1)*B) of the ep*B prompts one
+            # process would make, so a dropless job's tokens equal one process decoding all ep*B rows
+            prompts = make_prompts(prompts_kind, batch * ep, prompt_len, seed, model.config.vocab_size,
+                                   cfg.prompt_file)[rank * batch:(rank + 1) * batch]
         except PromptError as e:
-            raise PlanError(str(e)) from None
+            where = f" (parallel.ep={ep}: batch_size={batch} rows on each rank, {batch * ep} in all)" if ep > 1 else ""
+            raise PlanError(f"{e}{where}") from None
 
     # the eager baseline (HF modules, same dispatch) is timed unless the run itself is that path
     needs_baseline = measure.eager_baseline and (spec.scope != "eager" or kernels != "hf") and not serving
@@ -280,7 +304,7 @@ def resolve_plan(cfg) -> RunPlan:
         prompts_kind=prompts_kind, prompts=prompts, capture_backend=backend, captures=captures, warmup=warmup,
         compile=compile_, compile_mode=compile_mode, kernels=kernels, kernel_backend=kernel_backend,
         measure=measure, needs_baseline=needs_baseline, memory_bytes=0,
-        decode_steps=steps if serving else passes * max(new_tokens - 1, 1), workload=workload,
+        decode_steps=steps if serving else passes * max(new_tokens - 1, 1), workload=workload, parallel=parallel,
     )
     need = estimate_memory(plan)
     object.__setattr__(plan, "memory_bytes", need)
@@ -356,14 +380,22 @@ def _check_ragged(model: ModelPlan, kernels: str, compile_: bool, workload: str)
         raise PlanError(f"workload={workload}: {e} (model.attn_implementation)") from None
 
 
-def _measure_plan(m, device, model: ModelPlan, new_tokens: int | None) -> MeasurePlan:
-    from moecg.floor import device_bandwidth_gbps
+def _measure_plan(m, device, model: ModelPlan, new_tokens: int | None, ep: int = 1) -> MeasurePlan:
+    from moecg.floor import device_bandwidth_gbps, device_nvlink_gbps
 
     bw = m.hbm_bandwidth_gbps
     if bw in (None, "auto"):
         bw, source = device_bandwidth_gbps(device)
     else:
         bw, source = _float(bw, "measure.hbm_bandwidth_gbps", 0.0, strict=True, example=4300), "config"
+    nvl = m.nvlink_bandwidth_gbps
+    if nvl in (None, "auto"):
+        nvl, nvl_source = device_nvlink_gbps(device) if ep > 1 else (None, "unknown")
+    elif ep == 1:
+        raise PlanError(f"measure.nvlink_bandwidth_gbps={nvl} prices the all-to-all of parallel.ep > 1, and this run has "
+                        "parallel.ep=1 (no exchange): drop it")
+    else:
+        nvl, nvl_source = _float(nvl, "measure.nvlink_bandwidth_gbps", 0.0, strict=True, example=450), "config"
     want = m.heldout_bpb
     byte_level = model.config.vocab_size == 256
     if want == "auto":
@@ -381,7 +413,8 @@ def _measure_plan(m, device, model: ModelPlan, new_tokens: int | None) -> Measur
     return MeasurePlan(
         repeats=repeats, skip_steps=skip, eager_baseline=_bool(m.eager_baseline, "measure.eager_baseline"),
         fidelity=_bool(m.fidelity, "measure.fidelity"), fidelity_rows=_int(m.fidelity_rows, "measure.fidelity_rows", 0, 8),
-        hbm_bandwidth_gbps=bw, bandwidth_source=source, heldout_bpb=heldout,
+        hbm_bandwidth_gbps=bw, bandwidth_source=source, nvlink_bandwidth_gbps=nvl, nvlink_source=nvl_source,
+        heldout_bpb=heldout,
         heldout_bytes=_int(m.heldout_bytes, "measure.heldout_bytes", 2, 16384),
     )
 
@@ -457,6 +490,8 @@ def available_memory(device: torch.device) -> int | None:
 def check_fits(plan: RunPlan, available: int | None = None) -> None:
     """Refuse a run that cannot fit this machine's memory, with what it needs and the override that fits."""
     avail = available_memory(plan.device) if available is None else available
+    if avail is not None and plan.device.type == "cpu" and plan.parallel.ep > 1:
+        avail //= plan.parallel.ep  # the ranks of one torchrun share this machine's RAM, each builds the whole model
     fallback = grouped_fallback_bytes(plan)
     if avail is not None and fallback and (plan.measure.fidelity or not plan.dispatcher.reads_all_experts) \
             and plan.memory_bytes + fallback > MEMORY_HEADROOM * avail:
@@ -478,7 +513,7 @@ def check_fits(plan: RunPlan, available: int | None = None) -> None:
     fix = (f"model.num_layers={fit} fits" if fit >= least else
            "no depth that keeps a routed layer fits: use a smaller preset, model.dtype=bf16 on a GPU, or a machine "
            "with more memory")
-    where = "GPU" if plan.device.type == "cuda" else "CPU RAM"
+    where = "GPU" if plan.device.type == "cuda" else "CPU RAM" + (" per rank" if plan.parallel.ep > 1 else "")
     raise PlanError(f"this run needs about {plan.memory_bytes / 2**30:.1f} GiB ({plan.model.layers} layers, "
                     f"{plan.dtype}, batch {plan.max_rows}, cache {plan.max_cache_len}) but {avail / 2**30:.1f} GiB of "
                     f"{where} is available: {fix}")

@@ -11,8 +11,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from moecg.logger import make_logger
+from moecg.logger import NullLogger, make_logger
+from moecg.parallel.job import RankJob
 from moecg.schema import SERVING, SUMMARY
+
 
 def _fmt(v):
     if isinstance(v, float):
@@ -48,48 +50,70 @@ def _job_dir(cfg) -> Path:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    out_dir = _job_dir(cfg)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    logger = make_logger(cfg, out_dir)
-    results_path = out_dir / cfg.results_file
+    # under torchrun (parallel.ep > 1) this process is one rank: rank 0 writes, the first rank that fails ends the job
+    job = RankJob.from_env(_job_dir(cfg))
+    job.out_dir.mkdir(parents=True, exist_ok=True)
+    logger = make_logger(cfg, job.out_dir) if job.leads else NullLogger()
+    failed = None
     try:
+        if job.world > 1 and _is_multirun():
+            raise RuntimeError(f"a multirun under torchrun ({job.world} processes): each configuration needs every rank, "
+                               "so launch one torchrun per configuration (a shell loop over the sweep's values)")
         if _isolate(cfg):
             res = _run_isolated(cfg)
         else:
-            res = _run_with_progress(cfg)
-        res["status"] = "ok"
-        res["config"] = OmegaConf.to_container(cfg, resolve=True)
-        results_path.write_text(json.dumps(res, indent=2, default=str))
-        logger.log_results(res)
-        print_summary(res)
-        print(f"results: {results_path}")
+            res = _run_with_progress(cfg, job)
+        job.barrier()  # every rank finished: only then is the job ok
+        if job.leads:
+            results_path = job.out_dir / cfg.results_file
+            res["status"] = "ok"
+            res["config"] = OmegaConf.to_container(cfg, resolve=True)
+            results_path.write_text(json.dumps(res, indent=2, default=str))
+            logger.log_results(res)
+            print_summary(res)
+            print(f"results: {results_path}")
     except Exception as e:
-        # a failed job is recorded and reported; in a multirun the other jobs still run and
-        # moecg.callbacks.FailedJobsReport lists the failed ones at the end (exit 1)
-        _record_failure(cfg, e, results_path)
-        if not _is_multirun():
-            raise SystemExit(1)
+        if job.world > 1:
+            failed = e
+        else:
+            # a failed job is recorded and reported; in a multirun the other jobs still run and
+            # moecg.callbacks.FailedJobsReport lists the failed ones at the end (exit 1)
+            _record_failure(cfg, e, job.out_dir / cfg.results_file)
+            if not _is_multirun():
+                raise SystemExit(1)
     finally:
         logger.finish()
+    if failed is not None:
+        job.fail(lambda e, path, prefix: _record_failure(cfg, e, path, prefix), failed, cfg.results_file)
+    job.close()
 
 
-def _run_with_progress(cfg) -> dict:
+def _run_with_progress(cfg, job: RankJob | None = None) -> dict:
+    import os
+
     from rich.progress import Progress
 
     from moecg.harness import Phases, plan_of, run_experiment
 
-    phases = Phases()
+    job = job or RankJob(Path("."))
+    quiet = None if job.leads else open(os.devnull, "w")  # noqa: SIM115 - the other ranks' phases: rank 0 speaks
+    phases = Phases(out=quiet)
     plan = plan_of(cfg, phases)  # validated first: the bar's total is read from the plan, not the raw config
+    group = job.start(plan, phases)
+    if not job.leads:
+        return run_experiment(plan, phases=phases, group=group)
     with Progress(transient=True) as bar:
         if plan.serving:
             task = bar.add_task("requests served", total=plan.workload.n_requests)
         else:
             task = bar.add_task("decode (timed repeats)", total=plan.measure.repeats * max(plan.new_tokens - 1, 1))
-        return run_experiment(plan, progress=lambda: bar.advance(task), phases=phases)
+        return run_experiment(plan, progress=lambda: bar.advance(task), phases=phases, group=group)
 
 
-def _record_failure(cfg, e: BaseException, results_path: Path) -> None:
-    """results.json with `status: failed`, the full `error` and `traceback`; ONE line on stderr."""
+def _record_failure(cfg, e: BaseException, results_path: Path, prefix: str = "") -> None:
+    """results.json with `status: failed`, the full `error` and `traceback`; ONE line on stderr.
+
+    prefix: `rank r of R: ` for the rank of an expert-parallel job that failed first."""
     from moecg.callbacks import one_line
 
     from moecg.schema import failed_record
@@ -97,12 +121,12 @@ def _record_failure(cfg, e: BaseException, results_path: Path) -> None:
     d = cfg.dispatch
     axes = {"model": cfg.model.preset or cfg.model.pretrained_path, "strategy": cfg.strategy.name,
             "dispatch": d.name, "capacity_factor": d.get("capacity_factor"), "drop_policy": d.get("drop_policy"),
-            "batch_size": cfg.batch_size}
+            "batch_size": cfg.batch_size, "ep": cfg.get("parallel", {}).get("ep")}
     w = cfg.get("workload") or {}
     axes.update(workload=w.get("name", "fixed"), workload_rate=w.get("rate"), max_batch=w.get("max_batch"))
-    err = failed_record(e.error if isinstance(e, JobProcessError) else f"{type(e).__name__}: {e}",
+    err = failed_record(prefix + (e.error if isinstance(e, JobProcessError) else f"{type(e).__name__}: {e}"),
                         getattr(e, "moecg_phase", "setup"),
-                        getattr(e, "child_traceback", None) or traceback.format_exc(),
+                        getattr(e, "child_traceback", None) or "".join(traceback.format_exception(e)),
                         OmegaConf.to_container(cfg, resolve=True), axes)
     results_path.write_text(json.dumps(err, indent=2, default=str))
     print(f"moecg: job failed: {one_line(err['error'])} (details and traceback: {results_path})", file=sys.stderr)

@@ -51,10 +51,13 @@ FIELDS: tuple[Field, ...] = (
     _f("router_skew", "how", "model.router_skew"),
     _f("kernels", "how", "capture.kernels: hf (HF's modules) | fused (moecg.fast's decode step)", _S),
     _f("kernel_backend", "how", "kernels=fused: which ops ran (triton | torch); null for hf"),
+    _f("ep", "how", "parallel.ep: expert-parallel ranks, one process each (1: one process, today's path)", _S, _A, _X),
+    _f("ep_backend", "how", "ep > 1: the torch.distributed backend that carried the all-to-alls (nccl | gloo)"),
     # workload
     _f("workload", "workload", "fixed (one batch started together) | poisson | trace (serving: requests join and "
        "leave, moecg.serving)", _S, _A, _X),
-    _f("batch_size", "workload", "real rows (workload=fixed; serving: null, see max_batch)", _S, _A, _X),
+    _f("batch_size", "workload", "real rows (workload=fixed, on each rank with ep > 1; serving: null, see max_batch)",
+       _S, _A, _X),
     _f("bucket", "workload", "rows a captured step runs (the batch padded up); null without graphs or when serving "
        "(see bucket_hist)", _S),
     _f("prompt_len", "workload", "prompt tokens per row (workload=fixed)"),
@@ -118,15 +121,16 @@ FIELDS: tuple[Field, ...] = (
        "null when serving (batch sizes vary)"),
     _f("latency_noisy", "latency", "latency_spread above 1.5: the machine was busy or the clock is coarse; "
        "re-run before quoting the latency", _S),
-    _f("tokens_per_s", "latency", "batch_size / p50 (serving: see output_tokens_per_s)", _S),
-    _f("step_ms", "latency", "every step of the first timed repeat (serving: of the run)"),
+    _f("tokens_per_s", "latency", "batch_size x ep / p50 (every rank's rows; serving: see output_tokens_per_s)", _S),
+    _f("step_ms", "latency", "every step of the first timed repeat (ep > 1: the slowest rank's, which every step "
+       "statistic uses; serving: of the run)"),
     _f("prefill_ms", "latency", "the first timed repeat's prefill, wall clock (serving: per request in requests)"),
     _f("eager_ms_per_token_p50", "latency", "strategy=eager with the same dispatch, same run (workload=fixed)", _S),
     _f("speedup_vs_eager", "latency", "eager p50 / p50; null where the run executed the baseline's own path "
        "(no graphs and HF's modules: nothing to compare)", _S, _A),
     # memory
     _f("peak_mem_mib", "memory", "peak memory of the run: CUDA allocator peak on a GPU, the process's peak "
-       "resident set on CPU (see peak_mem_kind)"),
+       "resident set on CPU (see peak_mem_kind); the largest rank's with ep > 1"),
     _f("peak_mem_kind", "memory", "cuda_allocated | process_rss"),
     _f("memory_estimate_mib", "memory", "the run plan's estimate (weights + KV caches + transients), checked "
        "against free memory before the model is built"),
@@ -134,18 +138,24 @@ FIELDS: tuple[Field, ...] = (
     # floor
     _f("floor_ms", "floor", "HBM floor: bytes one step must read (non-expert weights + experts one counted step "
        "hits, all E for a dispatcher that reads every expert, + live KV) / bandwidth; null where the bandwidth "
-       "is unknown, and when serving", _S),
+       "is unknown, and when serving. ep > 1: the slowest rank's (its own experts that any rank hits), + "
+       "exchange_floor_ms", _S),
     _f("floor_ratio", "floor", "ms_per_token_p50 / floor_ms", _S),
     _f("hbm_bandwidth_gbps", "floor", "the bandwidth used: measured per device (moecg.floor), or "
        "measure.hbm_bandwidth_gbps; null where unknown (CPUs)"),
     _f("bandwidth_source", "floor", "device table | config | unknown"),
+    _f("exchange_floor_ms", "floor", "ep > 1: the all-to-all bytes one step sends from a rank (its static buffers, "
+       "there and back) / nvlink_bandwidth_gbps; null with ep 1 or an unknown bandwidth", _S),
+    _f("nvlink_bandwidth_gbps", "floor", "ep > 1: NVLink GB/s per direction for exchange_floor_ms: moecg.floor's "
+       "device table (a datasheet figure) or measure.nvlink_bandwidth_gbps"),
     # drops (decode steps; the prefill is not counted)
     _f("drop_rate", "drops", "dropped / routed assignments over decode steps", _S, _A),
     _f("dropped_prob_mass", "drops", "routing weight dropped / routed", _S),
     _f("tokens_lost_all_rate", "drops", "tokens that lost all K experts / tokens"),
     _f("per_layer_drop_rate", "drops", "per MoE layer"),
     _f("per_expert_drop_rate", "drops", "per expert, all layers"),
-    _f("routed_assignments", "drops", "token-expert assignments of real rows"),
+    _f("routed_assignments", "drops", "token-expert assignments of real rows (every rank's, each counted at its "
+       "source)"),
     _f("dropped_assignments", "drops", "of those, dropped"),
     # load
     _f("expert_load_imbalance", "load", "max/mean expert load, mean over layers (1 = balanced, E/K = one hot "
@@ -176,7 +186,7 @@ FIELDS: tuple[Field, ...] = (
 # Written only by failed jobs, beside status, config and the axes they could read.
 FAILED_FIELDS: tuple[Field, ...] = (
     Field("error", "failure", "one line: what failed and the fix"),
-    Field("phase", "failure", "the phase it failed in (plan, build, reference, baseline, capture, timed, "
+    Field("phase", "failure", "the phase it failed in (plan, parallel, build, reference, baseline, capture, timed, "
           "fidelity, floor, quality; serving: anchor, warm, serve)"),
     Field("traceback", "failure", "the full traceback"),
 )

@@ -13,7 +13,7 @@ from moecg.dispatch.capacity import Capacity, capacity_slots
 from moecg.dispatch.state import DispatchState, LayerCounters
 
 __all__ = ["REGISTRY", "Dispatcher", "DispatchState", "LayerCounters", "Capacity", "attach", "detach",
-           "make_dispatcher", "capacity_slots", "state_of", "impl_name"]
+           "make_dispatcher", "capacity_slots", "state_of", "impl_name", "register_experts_impl"]
 
 
 def impl_name(name: str) -> str:
@@ -27,8 +27,14 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
                                     state.layer(self._moecg_slot))
 
 
+def register_experts_impl(name: str) -> None:
+    """Make `moecg_<name>` an ExpertsInterface implementation that runs the attached dispatcher (the registry's, and
+    dispatchers built elsewhere, e.g. megatron-core's in moecg.parallel.megatron)."""
+    ExpertsInterface.register(impl_name(name), _experts_forward)
+
+
 for _name in REGISTRY:
-    ExpertsInterface.register(impl_name(_name), _experts_forward)
+    register_experts_impl(_name)
 
 
 def attach(model, dispatcher: Dispatcher, max_rows: int = 64) -> DispatchState:

@@ -35,6 +35,8 @@ class Dispatcher:
     drops: ClassVar[bool] = False  # may drop assignments (a capacity); drop counters and capacity fields apply
     reads_all_experts: ClassVar[bool] = False  # every call reads every expert's weights (padded GEMM): the floor
     fused_unreduced: ClassVar[bool] = False  # has unreduced() -> [T, K, D] fp32, which the fused step sums itself
+    exchanges: ClassVar[bool] = False  # holds all-to-alls over expert-parallel ranks (moecg.parallel): the floor adds
+    #                                    their bytes, and every rank must run it as often with the same shapes
 
     @classmethod
     def options(cls) -> tuple[str, ...]:
@@ -43,7 +45,8 @@ class Dispatcher:
 
     @classmethod
     def capabilities(cls) -> dict:
-        return {"graph_safe": cls.graph_safe, "drops": cls.drops, "reads_all_experts": cls.reads_all_experts}
+        return {"graph_safe": cls.graph_safe, "drops": cls.drops, "reads_all_experts": cls.reads_all_experts,
+                "exchanges": cls.exchanges}
 
     def forward(self, experts, hidden, idx, w, valid: torch.Tensor | None, counters: LayerCounters | None):
         raise NotImplementedError
@@ -123,8 +126,9 @@ def expert_mlp_grouped(experts, x_sorted, offsets, sorted_ids=None):
     gate_up, down, b_gate_up, b_down = expert_weights(experts)
     h = grouped_mm(x_sorted, gate_up, offsets)  # [S, 2I]
     if b_gate_up is not None:
-        # pad rows (sentinel E) sort past offsets[-1]: clamping keeps the bias gather in bounds, their rows are dropped
-        e = sorted_ids.clamp(max=experts.num_experts - 1)  # [S]
+        # pad rows (sentinel) sort past offsets[-1]: clamping keeps the bias gather in bounds, their rows are dropped;
+        # the bias's own row count, not num_experts: an expert-parallel rank holds a slice of the experts
+        e = sorted_ids.clamp(max=b_gate_up.shape[0] - 1)  # [S]
         h = h + b_gate_up[e]  # as HF's grouped_mm path: the bias before the gate
     h = experts._apply_gate(h)  # [S, I]
     y = grouped_mm(h, down, offsets)  # [S, D]

@@ -180,7 +180,7 @@ class Capacity(Dispatcher, TritonPath):
         sl = assign_slots(idx, w, valid, E, self.capacity_factor, self.min_capacity, self.drop_policy)
         C = sl.buffer
         x = hidden[sl.slot_token]  # [E, C, D]
-        y = expert_mlp_padded(experts, x.to(experts.gate_up_proj.dtype))  # [E, C, D]
+        y = self.experts_padded(experts, x.to(experts.gate_up_proj.dtype))  # [E, C, D]
         # Where each kept (token, expert) sits: slot_of[t, e] = c.
         slot_of = torch.zeros(T, E, dtype=torch.int64, device=idx.device)
         slots = torch.arange(C, device=idx.device).expand(E, C)  # [E, C]
@@ -192,3 +192,8 @@ class Capacity(Dispatcher, TritonPath):
         if counters is not None:
             add_counters(counters, sl)
         return torch.where(keep_k[..., None], out_k.float() * w_k[..., None], 0.0)  # [T, K, D]
+
+    def experts_padded(self, experts, x):
+        """x [E, C, D] slot buffers -> [E, C, D] expert outputs: the one step expert parallelism replaces (an
+        all-to-all to the experts' ranks and back, moecg.parallel.dispatch), selection and combine staying as here."""
+        return expert_mlp_padded(experts, x)

@@ -91,9 +91,13 @@ class DispatchState:
         for t, s in zip(self._tensors(), saved):
             t.copy_(s)
 
-    def snapshot(self) -> dict:
-        """Host copy of the counters (one sync): per layer and per expert, plus derived rates."""
-        routed, dropped, rmass, dmass, tokens, lost, cap, calls = (t.detach().cpu() for t in self._tensors())
+    def snapshot(self, reduce=None) -> dict:
+        """Host copy of the counters (one sync): per layer and per expert, plus derived rates.
+
+        reduce: applied to a copy of each counter tensor first, e.g. a sum over expert-parallel ranks (each rank
+        counts the assignments of its own tokens, at the source, so the sum counts every assignment once)."""
+        tensors = self._tensors() if reduce is None else [reduce(t.detach().clone()) for t in self._tensors()]
+        routed, dropped, rmass, dmass, tokens, lost, cap, calls = (t.detach().cpu() for t in tensors)
         r_tot, d_tot = int(routed.sum()), int(dropped.sum())
         per_layer_routed = routed.sum(1).clamp(min=1)
         load = routed.sum(0).double()  # [E] assignments per expert, all layers

@@ -113,6 +113,14 @@ PRESETS: dict[str, dict] = {
         num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         max_position_embeddings=40960, rope_theta=1e6, use_sliding_window=False,
     ),
+    # Qwen/Qwen3-235B-A22B (235B, 22B active): 94 layers, 128 experts of 1536, 8 active, 64 q / 4 kv heads of 128;
+    # 470 GB in bf16, so on one GPU only a cut builds (moecg.parallel builds the whole model on every rank, then shards)
+    "qwen3_235b_a22b": dict(
+        family="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+        num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, use_sliding_window=False,
+    ),
     # deepseek-ai/DeepSeek-V3 (671B, 37B active; the MTP layer is not built): 61 layers, 3 dense, 256 experts in 8
     # groups (4 searched), 8 active + 1 shared, MLA (q LoRA 1536, KV latent 512 + 64 rotary), yarn x40
     "deepseek_v3": dict(
