@@ -40,4 +40,11 @@ q, keys, vals, sinks = torch.randn(T, Hq, Dh), torch.randn(T, Hkv, L, Dh), torch
 for window, sk, eager in ((0, None, False), (64, None, False), (0, sinks, False), (64, sinks, True), (0, None, True)):
     close(ref.attn_decode(q, keys, vals, pos, 0.2, window, sinks=sk, eager=eager),
           tri.attn_decode(q, keys, vals, pos, 0.2, window, sinks=sk, eager=eager))
+# a long context (> LONG_SPAN slots): attn_splits' long rule, 64 splits merged (per-row positions, sinks)
+T2, L2 = 2, 8192
+assert tri.attn_splits(T2, 2, L2) == 64
+q2, k2, v2 = torch.randn(T2, 4, 32), torch.randn(T2, 2, L2, 32), torch.randn(T2, 2, L2, 32)
+pos2 = torch.tensor([8000, 4100])
+for sk in (None, torch.randn(4)):
+    close(ref.attn_decode(q2, k2, v2, pos2, 0.2, sinks=sk), tri.attn_decode(q2, k2, v2, pos2, 0.2, sinks=sk))
 print("ALL OK")

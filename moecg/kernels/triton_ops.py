@@ -294,9 +294,20 @@ def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, splits, G: 
              mask=(gi < G)[:, None])
 
 
+LONG_SPAN = 4096  # slots above which attn_splits aims at more programs (long contexts)
+
+
 def attn_splits(T: int, Hkv: int, span: int) -> int:
     """How many programs share one (row, kv head)'s context: enough programs to keep the SMs busy when rows x kv
-    heads are few, at least 64 slots each, at most 16."""
+    heads are few, at least 64 slots each. Up to LONG_SPAN slots: ~128 programs, at most 16 splits (the choice
+    every short-context table was measured with). Longer: ~256 programs, at most 128 splits. Chosen from
+    experiments/bench_attn_splits.py on the H200 (experiments/results/h200/issue14_capacity/attn_splits.md; 32k
+    slots at position 30000, T 1 and 8, 4-16 kv heads, one uncaptured call per timing): the best split count or
+    within 2% of it in five of the six cases, where the short rule was 1.00-1.23x slower; Qwen3-30B-A3B at T=1
+    (4 kv heads) 0.116 ms against the best 0.092 (128 splits) and the short rule's 0.129. Not yet timed inside a
+    whole captured step."""
+    if span > LONG_SPAN:
+        return max(1, min(256 // max(1, T * Hkv), span // 64, 128))
     return max(1, min(128 // max(1, T * Hkv), span // 64, 16))
 
 
