@@ -119,6 +119,14 @@ class EPGroup:
         self.backend, self.group = None, None
 
 
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """This rank's GPU: set_device and NCCL's device_id need an index, which a one-rank job's plan (device "cuda",
+    parallel.ep=1 under torchrun) does not give (the H200 run of h200_ep1_stdlib.sh failed there)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", local_rank)
+    return device
+
+
 def init_group(ep: int, backend: str, device: torch.device, timeout_s: float) -> EPGroup:
     """Join the torchrun job (if any) and build the expert-parallel group; the run plan checked every value first.
 
@@ -128,6 +136,7 @@ def init_group(ep: int, backend: str, device: torch.device, timeout_s: float) ->
         return EPGroup(device=device)
     import torch.distributed as dist
 
+    device = rank_device(device, env["local_rank"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
