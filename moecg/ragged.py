@@ -252,13 +252,7 @@ class RaggedEngine(DecodeEngine):
         (and, with sync=True, in tokens[id]). A prompt already on the device is not copied again."""
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
         S = prompt.numel()
-        if request_id in self.host_len:
-            raise ValueError(f"request {request_id!r} is already running")
-        need = S + (max_new_tokens if max_new_tokens is not None else 1)
-        if S < 1 or need > self.max_cache_len:
-            raise CacheOverflowError(
-                f"request {request_id!r}: prompt of {S} tokens + {max_new_tokens or 1} new = {need} exceeds the KV "
-                f"cache ({self.max_cache_len} slots per row): shorten it or raise max_cache_len")
+        self._check_request(request_id, S, max_new_tokens)
         if self.n_live >= self.max_rows:
             raise ValueError(f"all {self.max_rows} slots are busy: remove a finished request first (or raise max_rows)")
         r = self.n_live
@@ -269,17 +263,7 @@ class RaggedEngine(DecodeEngine):
         with (state.prefill() if state is not None else _null()), (state.rows(1) if state is not None else _null()):
             logits = self._run(prompt.to(self.device)[None], self.cache.slot(r), self.cache.lengths[r:r + 1], False)
         self.cache.lengths[r] = S
-        self.live[r] = 1
-        first = logits.argmax(-1)  # [1]
-        self.ids[r] = first[0]
-        self.tok_buf[r, 0] = first[0]
-        self.n_tok[r] = 1
-        self.order.append(request_id)
-        self.host_len[request_id] = S
-        self.n_generated[request_id] = 1
-        if sync:
-            self.tokens[request_id] = [int(first[0])]
-        self.last_logits = logits
+        self._admitted(r, [request_id], [S], logits, sync)
         return r
 
     @torch.no_grad()
@@ -299,13 +283,9 @@ class RaggedEngine(DecodeEngine):
         toks = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
         lens = [t.numel() for t in toks]
         for rid, S, n in zip(ids, lens, news):
-            if rid in self.host_len or ids.count(rid) > 1:
+            if ids.count(rid) > 1:
                 raise ValueError(f"request {rid!r} is already running")
-            need = S + (n if n is not None else 1)
-            if S < 1 or need > self.max_cache_len:
-                raise CacheOverflowError(
-                    f"request {rid!r}: prompt of {S} tokens + {n or 1} new = {need} exceeds the KV cache "
-                    f"({self.max_cache_len} slots per row): shorten it or raise max_cache_len")
+            self._check_request(rid, S, n)
         if self.n_live + k > self.max_rows:
             raise ValueError(f"{k} requests need {k} free slots and {self.max_rows - self.n_live} are free: remove "
                              "finished requests first (or raise max_rows)")
@@ -322,8 +302,25 @@ class RaggedEngine(DecodeEngine):
         self.cache.lengths[r:r + k] = 0
         with (state.prefill() if state is not None else _null()), (state.rows(k) if state is not None else _null()):
             logits = self._run(padded, self.cache.slot(r, k), self.cache.lengths[r:r + k], False, keep)  # [k, V]
-        first = logits.argmax(-1)  # [k]
         self.cache.lengths[r:r + k] = self._plen[r:r + k]
+        self._admitted(r, ids, lens, logits, sync)
+        return list(range(r, r + k))
+
+    def _check_request(self, request_id, S: int, max_new_tokens: int | None) -> None:
+        """A request `add`/`add_many` can take: not running already, and its prompt + new tokens fit a row's cache."""
+        if request_id in self.host_len:
+            raise ValueError(f"request {request_id!r} is already running")
+        need = S + (max_new_tokens if max_new_tokens is not None else 1)
+        if S < 1 or need > self.max_cache_len:
+            raise CacheOverflowError(
+                f"request {request_id!r}: prompt of {S} tokens + {max_new_tokens or 1} new = {need} exceeds the KV "
+                f"cache ({self.max_cache_len} slots per row): shorten it or raise max_cache_len")
+
+    def _admitted(self, r: int, ids: list, lens: list[int], logits: torch.Tensor, sync: bool) -> None:
+        """Requests `ids` were prefilled into slots r.. (lengths already set): first tokens from `logits` [k, V]
+        into the current ids and the token buffer, and the host bookkeeping (one host read with sync=True)."""
+        k = len(ids)
+        first = logits.argmax(-1)  # [k]
         self.live[r:r + k] = 1
         self.ids[r:r + k] = first
         self.tok_buf[r:r + k, 0] = first
@@ -336,7 +333,6 @@ class RaggedEngine(DecodeEngine):
             if sync:
                 self.tokens[rid] = [host[j]]
         self.last_logits = logits
-        return list(range(r, r + k))
 
     def remove(self, request_id, sync: bool = True):
         """The request leaves; the last live row moves into its slot. Returns its generated tokens: a list (one host
