@@ -32,11 +32,18 @@ class Dropless(Dispatcher):
         x = hidden[perm // K]  # [S, D]
         offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E]
         y = expert_mlp_grouped(experts, x, offsets, sorted_ids)  # [S, D]
-        # Rows past offsets[-1] (pad rows) are left uninitialised by grouped_mm: zero them, never multiply NaN by 0.
-        keep = (sorted_ids < E)[:, None]  # [S, 1]
-        y = torch.where(keep, y.float() * w.reshape(-1)[perm, None].float(), 0.0)  # [S, D] fp32
-        out = torch.empty_like(y)
-        out[perm] = y  # back to (token, k) order
+        # Rows past offsets[-1] (pad rows) are left uninitialised by grouped_mm: weigh_unsort zeroes them
+        out = weigh_unsort(y, sorted_ids, perm, w, E)  # [S, D] fp32
         if counters is not None:
             counters.add_routed(counts, routed_mass(idx_m, w, E), count_valid(valid, T, hidden.device))
         return out.view(T, K, -1)  # [T, K, D]; summed in fp32 over K as HF's grouped_mm path
+
+
+def weigh_unsort(y, sorted_ids, perm, w, E: int):
+    """Expert outputs in expert-sorted order y [S, D] -> [S, D] fp32 in (token, k) order, each weighted by its
+    routing weight; rows of pad assignments (sorted id E) are zero, never NaN times 0."""
+    keep = (sorted_ids < E)[:, None]  # [S, 1]
+    y = torch.where(keep, y.float() * w.reshape(-1)[perm, None].float(), 0.0)  # [S, D] fp32
+    out = torch.empty_like(y)
+    out[perm] = y  # back to (token, k) order
+    return out

@@ -29,7 +29,7 @@ import torch
 
 from moecg.dispatch.base import count_valid, expert_mlp_grouped, expert_mlp_padded, route_counts, routed_mass
 from moecg.dispatch.capacity import Capacity
-from moecg.dispatch.dropless import Dropless
+from moecg.dispatch.dropless import Dropless, weigh_unsort
 
 
 class ExpertParallel:
@@ -113,10 +113,7 @@ class EPDropless(ExpertParallel, Dropless):
         y_back[rperm] = y
         back = self.exchange.all_to_all(y_back.view(R, Sm, D)).reshape(R * Sm, D)  # [R*Sm, D] at the sent slots
         out_sorted = torch.cat([back, back.new_zeros(1, D)])[slot]  # [S, D]
-        keep = (sorted_ids < E)[:, None]  # [S, 1]
-        out_sorted = torch.where(keep, out_sorted.float() * w.reshape(-1)[perm, None].float(), 0.0)  # [S, D] fp32
-        out = torch.empty_like(out_sorted)
-        out[perm] = out_sorted  # back to (token, k) order
+        out = weigh_unsort(out_sorted, sorted_ids, perm, w, E)  # [S, D] fp32, (token, k) order
         if counters is not None:
             counters.add_routed(counts, routed_mass(idx_m, w, E), count_valid(valid, T, hidden.device))
         return out.view(T, K, D)
