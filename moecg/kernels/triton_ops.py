@@ -7,7 +7,6 @@ Rounding follows HF's modules: bf16 after each elementwise op that HF runs in bf
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
