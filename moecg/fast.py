@@ -26,6 +26,7 @@ The routed experts go through the attached moecg dispatcher (counters, masks, ca
 """
 from __future__ import annotations
 
+from contextlib import nullcontext as _nullctx
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -135,6 +136,10 @@ class FastDecode:
     passes none."""
 
     per_row_positions = True
+    # On CUDA the shared expert (silu-mul + down GEMM) runs on a second stream beside the routed experts, joined
+    # before the combine: at small batches neither fills the GPU alone (the same kernels, so the same numbers).
+    # The benchmarks set False to measure without it.
+    overlap_shared = True
 
     def __init__(self, model, backend: str = "auto"):
         check_supported(model)
@@ -145,6 +150,7 @@ class FastDecode:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.ops = get_ops(backend, self.device)
+        self._side = None  # the shared expert's stream (overlap_shared), made once the model shows a shared expert
         self.backend = "triton" if self.ops is not ref else "torch"
         cfg = model.config
         features = ad.features(cfg)
@@ -247,6 +253,13 @@ class FastDecode:
                 logit_bias.data = L.bcat[L.r0: L.r0 + L.n_experts]  # HF's router reads the same numbers
 
     # -- helpers ---------------------------------------------------------------------------------------
+    def _side_stream(self):
+        if not self.overlap_shared or self.device.type != "cuda":
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
     def _rope_tables(self, clayers):
         """cos/sin [L, R] for every slot of the cache; the cache must be linear (slot = position) in all layers."""
         length = clayers[0].keys.shape[2]
@@ -334,6 +347,10 @@ class FastDecode:
                 res, h = ops.add_rmsnorm(y[:, None], res, nw, neps, cast_last=cl)
                 continue
             z = F.linear(h, L.wcat, L.bcat) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
+            side = self._side_stream() if L.shared_inter else None
+            if side is not None:  # fork: the shared expert starts once z exists, the routing goes on here
+                main = torch.cuda.current_stream(self.device)
+                side.wait_stream(main)
             if L.router_w32 is not None:
                 logits = F.linear(h.float(), L.router_w32.float())  # [T, E] fp32, as HF's router
             else:
@@ -344,9 +361,12 @@ class FastDecode:
             idx, w = self._route(L, logits)  # [T, K], [T, K]
             shared = gate = None
             if L.shared_inter:
-                shared = F.linear(ops.silu_mul(z, L.shared_inter), L.w_sdown)  # [T, D]
+                with torch.cuda.stream(side) if side is not None else _nullctx():
+                    shared = F.linear(ops.silu_mul(z, L.shared_inter), L.w_sdown)  # [T, D]
                 gate = z[:, L.shared_gate_col] if L.shared_gate_col is not None else None  # [T]
             y = self._experts(L, h, idx, w, valid, state, slot)  # [T, K or 1, D]
+            if side is not None:  # join before the combine reads `shared`
+                main.wait_stream(side)
             slot += 1
             res, h = ops.add_rmsnorm(y, res, nw, neps, shared, gate, cast_last=cl)
         logits = F.linear(h, self.lm_head)  # [T, V]

@@ -218,7 +218,8 @@ def test_kernels_compile_for_hopper():
 
     types = dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", keep_ptr="*i8", slot_ptr="*i32", nk_ptr="*i32",
                  cnt_ptr="*i64", drop_ptr="*i64", mass_ptr="*fp32", dmass_ptr="*fp32", cap_ptr="*i64",
-                 calls_ptr="*i64", tok_ptr="*i64", lost_ptr="*i64", alpha="fp32", limit="fp32", cf_bits="i64")
+                 calls_ptr="*i64", tok_ptr="*i64", lost_ptr="*i64", alpha="fp32", limit="fp32", cf_bits="i64",
+                 part_ptr="*fp32", sem_ptr="*i32", tw_ptr="*bf16", eps="fp32", res_ptr="*bf16", sg_ptr="*bf16")
 
     def build(fn, consts, stages=4):
         sig = {n: "constexpr" if n in consts else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
@@ -240,7 +241,11 @@ def test_kernels_compile_for_hopper():
     build(cap._cap_up_kernel, dict(K=4, KP=4, HAS_VALID=False, COUNT=False, JM=2, JU=1, HAS_BIAS=True, ACT=1,
                                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64))
     build(cap._cap_down_kernel, dict(K=4, KP=4, RENORM=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))
-    build(tri._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=1, JU=1408, HAS_BIAS=False, ACT=0,
-                                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_S=64))
-    build(tri._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
-                                     BLOCK_S=64))
+    for pdl in (False, True):  # programmatic dependent launch: the griddepcontrol instructions lower for sm_90
+        build(tri._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=1, JU=1408, HAS_BIAS=False, ACT=0,
+                                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=pdl))
+        for split in (1, 4):  # split-K: the partial stores, the tile counter's atomic and the in-order fix-up
+            build(tri._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=split == 1, SPLIT=split, BLOCK_M=16,
+                                             BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=pdl))
+    build(tri._add_rmsnorm_kernel, dict(KK=4, HAS_RES=True, HAS_SHARED=True, HAS_SGATE=True, HAS_VALID=False,
+                                        CAST_LAST=False, BLOCK_D=2048, USE_PDL=True))

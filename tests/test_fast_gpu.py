@@ -3,6 +3,8 @@
 Dims: T tokens (= rows), D hidden, E experts, K top-k.
 Skipped without CUDA. Run on the H200: `pytest -m gpu -s tests/test_fast_gpu.py`.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E4
 from moecg.dispatch.state import LayerCounters  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
+from moecg.kernels.tiles import moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 
 BF = torch.bfloat16
@@ -77,12 +80,19 @@ def test_moe_kernel_matches_reference_and_counts(shape, T):
     valid = torch.ones(T, dtype=torch.bool, device="cuda")
     valid[T // 2:] = T == 1
     for v in (None, valid):
-        c1, c2 = _counters(E), _counters(E)
+        c1 = _counters(E)
         want = ref.moe_experts(x, idx, w, gate_up, down, v, c1)
-        got = tri.moe_experts(x, idx, w, gate_up, down, v, c2)
-        _close(got, want, 2e-2, 5e-3)
-        assert torch.equal(c1.routed, c2.routed) and torch.equal(c1.tokens, c2.tokens)
-        _close(c1.routed_mass, c2.routed_mass, 1e-5, 1e-5)
+        # the default grid and tiles, both grids, and the split-K down GEMM (its partials added once, in order)
+        for grid, split in (("auto", None), ("expert", 1), ("slot", 1), ("auto", 2), ("slot", 4)):
+            c2 = _counters(E)
+            tiles = None if split is None else replace(moe_tiles(T, D, inter, E), down_split=split)
+            got = tri.moe_experts(x, idx, w, gate_up, down, v, c2, grid=grid, tiles=tiles)
+            _close(got, want, 2e-2, 5e-3)
+            assert torch.equal(c1.routed, c2.routed) and torch.equal(c1.tokens, c2.tokens), (grid, split)
+            _close(c1.routed_mass, c2.routed_mass, 1e-5, 1e-5)
+            if split and split > 1:  # deterministic: the same bits again, and the tile counters back at zero
+                assert torch.equal(got, tri.moe_experts(x, idx, w, gate_up, down, v, None, grid=grid, tiles=tiles))
+                assert all(int(s.abs().sum()) == 0 for s in tri._SEMS.values())
 
 
 @pytest.mark.parametrize("preset", ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny"])

@@ -15,6 +15,7 @@ from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.fast import FastDecode  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
+from moecg.kernels.tiles import MoeTiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def counters():
                          torch.zeros((), dtype=torch.int64))
 
 
-for Tm in (3, 20):  # 20 tokens: two row blocks per expert
+for Tm in (1, 3, 20):  # 20 tokens: two row blocks per expert
     x = torch.randn(Tm, D)
     gate_up, down = torch.randn(E, 2 * inter, D) / 8, torch.randn(E, D, inter) / 6
     idx = torch.stack([torch.randperm(E)[:K] for _ in range(Tm)])
@@ -73,6 +74,15 @@ for Tm in (3, 20):  # 20 tokens: two row blocks per expert
         close(ref.moe_experts(x, idx, wts, gate_up, down, v, c1), tri.moe_experts(x, idx, wts, gate_up, down, v, c2))
         assert torch.equal(c1.routed, c2.routed) and torch.equal(c1.tokens, c2.tokens)
         close(c1.routed_mass, c2.routed_mass)
+        # both grids (a program per expert / per assignment) and the split-K down GEMM with its in-kernel fix-up
+        for grid, split in (("expert", 3), ("slot", 1), ("slot", 2)):
+            c3 = counters()
+            tiles = MoeTiles(up_n=16, up_k=32, down_n=16, down_k=16, down_split=split)
+            close(ref.moe_experts(x, idx, wts, gate_up, down, v),
+                  tri.moe_experts(x, idx, wts, gate_up, down, v, c3, grid=grid, tiles=tiles))
+            assert torch.equal(c1.routed, c3.routed) and torch.equal(c1.tokens, c3.tokens), (grid, split)
+            close(c1.routed_mass, c3.routed_mass)
+assert all(int(s.abs().sum()) == 0 for s in tri._SEMS.values())  # every split tile's counter zeroed again
 
 # a whole model: fused decode with the Triton ops == with the torch ops (fp32), incl. the fused dispatcher
 model = build_model("qwen2_moe_tiny", dtype="fp32", device="cpu", seed=0).model

@@ -28,6 +28,7 @@ class MoeTiles:
     down_k: int = 128  # I step of the down GEMM's loop
     warps: int = 4
     stages: int = 4
+    down_split: int = 1  # split-K of the down GEMM over I (batch-1 steps: more programs); deterministic, rounded once
 
 
 @dataclass(frozen=True)

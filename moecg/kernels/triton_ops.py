@@ -7,6 +7,8 @@ Rounding follows HF's modules: bf16 after each elementwise op that HF runs in bf
 """
 from __future__ import annotations
 
+import functools
+import os
 
 import torch
 import triton
@@ -17,6 +19,46 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(int(n))
 
 
+# Programmatic dependent launch (Hopper+): a kernel launched with it may start while its predecessor drains; it
+# waits (gdc_wait) for the predecessor's completion and memory before touching memory, so results are unchanged
+# and only launch latency and prologue overlap. None: on where the device (sm90+) and Triton support it; the
+# benchmarks set False to measure without it. Off under the CPU interpreter.
+PDL: bool | None = None
+
+
+def use_pdl(device) -> bool:
+    if PDL is not None:
+        return bool(PDL) and device.type == "cuda"
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return _pdl_supported() and _capability(device.index if device.index is not None else
+                                            torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:  # noqa: BLE001 - no CUDA backend: no PDL
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+def _pdl_kw(on: bool) -> dict:
+    return {"launch_pdl": True} if on else {}
+
+
+def _pdl_args(device) -> dict:
+    """The launch arguments of a PDL-aware kernel: its USE_PDL flag and, when on, Triton's launch option."""
+    on = use_pdl(device)
+    return {"USE_PDL": on, **_pdl_kw(on)}
+
+
 # ------------------------------------------------------------------------------------------------------------
 # residual add (+ routed partial sums, + gated shared expert) + RMSNorm
 @triton.jit(do_not_specialize=["T"])
@@ -24,7 +66,10 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
                         T, D, eps, s_yt, s_yk, s_rt, s_sht, s_sgt, s_ort, s_ot,
                         KK: tl.constexpr, HAS_RES: tl.constexpr, HAS_SHARED: tl.constexpr,
                         HAS_SGATE: tl.constexpr, HAS_VALID: tl.constexpr, CAST_LAST: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
@@ -71,7 +116,8 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
         shared.stride(0) if shared is not None else 0, shared_gate.stride(0) if shared_gate is not None else 0,
         new_res.stride(0), normed.stride(0),
         KK=KK, HAS_RES=residual is not None, HAS_SHARED=shared is not None, HAS_SGATE=shared_gate is not None,
-        HAS_VALID=valid is not None, CAST_LAST=cast_last, BLOCK_D=_p2(D), num_warps=4 if D <= 4096 else 8)
+        HAS_VALID=valid is not None, CAST_LAST=cast_last, BLOCK_D=_p2(D), num_warps=4 if D <= 4096 else 8,
+        **_pdl_args(y.device))
     return new_res, normed
 
 
@@ -85,7 +131,11 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
 def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, q_ptr, qn_ptr, kn_ptr,
                        T, eps, clip, s_pos, s_qkv, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_qt, s_qh,
                        HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, R: tl.constexpr,
-                       HAS_QKN: tl.constexpr, NORM_FULL: tl.constexpr, HAS_CLIP: tl.constexpr):
+                       HAS_QKN: tl.constexpr, NORM_FULL: tl.constexpr, HAS_CLIP: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): q heads, [HQ, HQ+HKV): k heads, then v heads
     d = tl.arange(0, DH)
@@ -164,7 +214,8 @@ def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: 
         k_norm if k_norm is not None else q, T, eps, float(clip or 0.0), _pos_stride(pos, T), qkv.stride(0),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         q.stride(0), q.stride(1), HQ=n_q, HKV=n_kv, DH=head_dim, R=R, HAS_QKN=q_norm is not None,
-        NORM_FULL=full, HAS_CLIP=clip is not None, num_warps=1)
+        NORM_FULL=full, HAS_CLIP=clip is not None, num_warps=1,
+        **_pdl_args(qkv.device))
     return q
 
 
@@ -189,7 +240,10 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                         T, scaling, window, chunk, s_pos, s_qt, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ot,
                         G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BLOCK_L: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, EAGER: tl.constexpr,
-                        TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr):
+                        TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -267,7 +321,10 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
 
 @triton.jit(do_not_specialize=["splits"])
 def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, splits, G: tl.constexpr, GP: tl.constexpr,
-                       DH: tl.constexpr, HAS_SINK: tl.constexpr):
+                       DH: tl.constexpr, HAS_SINK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     hk = tl.program_id(1)
     gi = tl.arange(0, GP)
@@ -339,10 +396,11 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
         q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, HAS_SINK=sinks is not None, EAGER=eager,
-        TWO_PASS=two_pass, SUB_ROUND=two_pass and sinks.dtype == q.dtype, num_warps=4)
+        TWO_PASS=two_pass, SUB_ROUND=two_pass and sinks.dtype == q.dtype, num_warps=4,
+        **_pdl_args(q.device))
     if splits > 1:
         _attn_merge_kernel[(T, Hkv)](o, m, l_, acc, sk, o.stride(0), splits, G=G, GP=GP, DH=Dh,
-                                     HAS_SINK=sinks is not None, num_warps=4)
+                                     HAS_SINK=sinks is not None, num_warps=4, **_pdl_args(q.device))
     return o
 
 
@@ -350,7 +408,10 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
 # router: softmax (fp32) + top-k + optional renormalisation, one program per token
 @triton.jit(do_not_specialize=["T"])
 def _route_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr):
+                  BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -380,7 +441,8 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
     idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(T, top_k, dtype=out_dtype, device=logits.device)
     _route_kernel[(T,)](logits, idx, w, T, E, logits.stride(0), K=top_k, NORM=normalize, BLOCK_E=_p2(E),
-                        num_warps=1)
+                        num_warps=1,
+        **_pdl_args(logits.device))
     return idx, w
 
 
@@ -391,7 +453,10 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
 def _route_sigmoid_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scaling,
                                 K: tl.constexpr, KP: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
                                 TOPKG: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                BLOCK_E: tl.constexpr):
+                                BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -445,14 +510,18 @@ def route_sigmoid_group(logits, choice_bias, top_k: int, n_group: int, topk_grou
     _route_sigmoid_group_kernel[(T,)](
         logits, choice_bias if choice_bias is not None else logits, idx, w, T, E, logits.stride(0), float(scaling),
         K=top_k, KP=_p2(top_k), NG=n_group, NGP=_p2(n_group), TOPKG=topk_group, NORM=normalize,
-        HAS_BIAS=choice_bias is not None, BLOCK_E=_p2(E), num_warps=1 if E <= 256 else 4)
+        HAS_BIAS=choice_bias is not None, BLOCK_E=_p2(E), num_warps=1 if E <= 256 else 4,
+        **_pdl_args(logits.device))
     return idx, w
 
 
 # topk_softmax router (GPT-OSS): top-k of the logits, softmax over those k (fp32, rounded once to the logits' dtype)
 @triton.jit(do_not_specialize=["T"])
 def _route_topk_softmax_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, KP: tl.constexpr,
-                               BLOCK_E: tl.constexpr):
+                               BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -479,13 +548,17 @@ def route_topk_softmax(logits, top_k: int):
     idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
     _route_topk_softmax_kernel[(T,)](logits, idx, w, T, E, logits.stride(0), K=top_k, KP=_p2(top_k),
-                                     BLOCK_E=_p2(E), num_warps=1 if E <= 256 else 4)
+                                     BLOCK_E=_p2(E), num_warps=1 if E <= 256 else 4,
+        **_pdl_args(logits.device))
     return idx, w
 
 
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["T"])
-def _silu_mul_kernel(gu_ptr, h_ptr, T, I, s_gt, s_ht, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, h_ptr, T, I, s_gt, s_ht, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -501,7 +574,8 @@ def silu_mul(gu, inter: int):
     assert gu.stride(1) == 1
     h = torch.empty(T, inter, dtype=gu.dtype, device=gu.device)
     _silu_mul_kernel[(T, triton.cdiv(inter, 1024))](gu, h, T, inter, gu.stride(0), h.stride(0), BLOCK=1024,
-                                                     num_warps=4)
+                                                     num_warps=4,
+        **_pdl_args(gu.device))
     return h
 
 
@@ -578,50 +652,93 @@ def _up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_
 
 
 @triton.jit
+def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The unrounded fp32 down-projection sum over I in [k_lo, k_hi) of h rows `rows` for output columns block nb
+    -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask)."""
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < D
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    wd = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < k_hi
+        h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+        acc = tl.dot(h, tl.trans(w), acc)
+    return acc, n, nm
+
+
+@triton.jit
+def _down_round(acc, e, n, nm, b_ptr, s_be, dt: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The down projection's fp32 sum rounded (and biased) as HF: dt after the GEMM, dt after the bias."""
+    o = acc.to(dt).to(tl.float32)
+    if HAS_BIAS:
+        o = (o + tl.load(b_ptr + e.to(tl.int64) * s_be + n, mask=nm, other=0.0).to(tl.float32)[None, :])
+        o = o.to(dt).to(tl.float32)
+    return o
+
+
+@triton.jit
 def _down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
                dt: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr):
     """Expert e's down projection of h rows `rows` for output columns block nb, rounded (and biased) as HF
     -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask); the caller applies the routing weight."""
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < D
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    wd = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
-    for k0 in range(0, I, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        km = kk < I
-        h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-        acc = tl.dot(h, tl.trans(w), acc)
-    o = acc.to(dt).to(tl.float32)
-    if HAS_BIAS:
-        o = (o + tl.load(b_ptr + e.to(tl.int64) * s_be + n, mask=nm, other=0.0).to(tl.float32)[None, :])
-        o = o.to(dt).to(tl.float32)
-    return o, n, nm
+    acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
+                           BLOCK_M, BLOCK_N, BLOCK_K)
+    return _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS), n, nm
 
 
-@triton.jit(do_not_specialize=["S"])
+@triton.jit
+def _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K: tl.constexpr, HAS_VALID: tl.constexpr,
+               BLOCK_S: tl.constexpr):
+    """-> (the expert program p runs, whether it runs it). Expert grid (by_slot 0): program p is expert p. Slot
+    grid (by_slot 1, used when the S assignments are fewer than the experts, so most expert programs would only
+    exit): program p is assignment p, and runs its expert iff p is that expert's first valid assignment."""
+    e = p
+    lead = p >= 0
+    if by_slot:
+        e = tl.load(idx_ptr + p).to(tl.int32)
+        first = S
+        for s0 in range(0, S, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            hit = tl.load(idx_ptr + s, mask=s < S, other=-1) == e
+            if HAS_VALID:
+                hit = hit & (tl.load(valid_ptr + s // K, mask=s < S, other=0) != 0)
+            first = tl.minimum(first, tl.min(tl.where(hit, s, S), axis=0))
+        lead = first == p
+    return e, lead
+
+
+@triton.jit(do_not_specialize=["S", "by_slot"])
 def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_ptr, mass_ptr, tok_ptr,
-                   S, D, I, s_xt, s_we, s_wj, s_wk, s_be, s_hs, alpha, limit,
+                   S, by_slot, D, I, s_xt, s_we, s_wj, s_wk, s_be, s_hs, alpha, limit,
                    K: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr, JM: tl.constexpr,
                    JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
-    e = tl.program_id(0)
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
+    e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
     cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
     if COUNT:
         if (mb == 0) & (nb == 0):  # this expert's counters belong to this program alone: no atomics
-            wsum = tl.zeros([BLOCK_S], dtype=tl.float32)
-            for s0 in range(0, S, BLOCK_S):
-                s = s0 + tl.arange(0, BLOCK_S)
-                hit = tl.load(idx_ptr + s, mask=s < S, other=-1) == e
-                if HAS_VALID:
-                    hit = hit & (tl.load(valid_ptr + s // K, mask=s < S, other=0) != 0)
-                wsum += tl.where(hit, tl.load(tw_ptr + s, mask=s < S, other=0.0).to(tl.float32), 0.0)
-            tl.store(cnt_ptr + e, tl.load(cnt_ptr + e) + cnt)
-            tl.store(mass_ptr + e, tl.load(mass_ptr + e) + tl.sum(wsum, axis=0))
-            if e == 0:
+            if lead:
+                wsum = tl.zeros([BLOCK_S], dtype=tl.float32)
+                for s0 in range(0, S, BLOCK_S):
+                    s = s0 + tl.arange(0, BLOCK_S)
+                    hit = tl.load(idx_ptr + s, mask=s < S, other=-1) == e
+                    if HAS_VALID:
+                        hit = hit & (tl.load(valid_ptr + s // K, mask=s < S, other=0) != 0)
+                    wsum += tl.where(hit, tl.load(tw_ptr + s, mask=s < S, other=0.0).to(tl.float32), 0.0)
+                tl.store(cnt_ptr + e, tl.load(cnt_ptr + e) + cnt)
+                tl.store(mass_ptr + e, tl.load(mass_ptr + e) + tl.sum(wsum, axis=0))
+            if p == 0:
                 n_tok = S // K
                 if HAS_VALID:
                     acc_v = tl.zeros([BLOCK_S], dtype=tl.int32)
@@ -630,26 +747,57 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                         acc_v += (tl.load(valid_ptr + tt, mask=tt < S // K, other=0) != 0).to(tl.int32)
                     n_tok = tl.sum(acc_v, axis=0)
                 tl.store(tok_ptr, tl.load(tok_ptr) + n_tok)
-    if cnt > mb * BLOCK_M:
+    if lead & (cnt > mb * BLOCK_M):
         dt = h_ptr.dtype.element_ty
         hv, n, nm = _up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
                              limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K)
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
-@triton.jit(do_not_specialize=["S"])
-def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, S, D, I, s_hs, s_we, s_wn, s_wk,
-                     s_be, s_ys, K: tl.constexpr, HAS_VALID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
-    e = tl.program_id(0)
+@triton.jit(do_not_specialize=["S", "by_slot", "k_chunk"])
+def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, part_ptr, sem_ptr, S, by_slot, D, I,
+                     k_chunk, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, HAS_VALID: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+    """SPLIT > 1 (split-K over I, for batch-1 steps whose column blocks alone are too few programs): each of a
+    tile's SPLIT programs stores its fp32 partial sum, and the last to finish (a per-tile counter) adds the
+    partials in split order, so the result is deterministic and rounded once, as without splits; it then
+    zeroes the counter for the next call (and graph replay)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    p = tl.program_id(0)
     mb = tl.program_id(1)
-    nb = tl.program_id(2)
+    nb = tl.program_id(2) // SPLIT
+    ks = tl.program_id(2) % SPLIT
+    e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
     cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
-    if cnt > mb * BLOCK_M:
-        o, n, nm = _down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
-                              h_ptr.dtype.element_ty, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)
-        tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
+    if lead & (cnt > mb * BLOCK_M):
+        dt = h_ptr.dtype.element_ty
+        if SPLIT == 1:
+            acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
+                                   BLOCK_M, BLOCK_N, BLOCK_K)
+            o = _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS)
+            tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
+        else:
+            k_lo = ks * k_chunk
+            acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, tl.minimum(k_lo + k_chunk, I),
+                                   s_hs, s_we, s_wn, s_wk, BLOCK_M, BLOCK_N, BLOCK_K)
+            om = rmask[:, None] & nm[None, :]
+            tile_off = rows[:, None] * D + n[None, :]  # part: [SPLIT, S, D] fp32
+            tl.store(part_ptr + ks * S * D + tile_off, acc, mask=om)
+            tl.debug_barrier()
+            tile = (p * tl.num_programs(1) + mb) * (tl.num_programs(2) // SPLIT) + nb
+            done = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:  # the tile's last program: the other partials are visible (acquire)
+                tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for j in tl.static_range(SPLIT):
+                    tot += tl.load(part_ptr + j * S * D + tile_off, mask=om, other=0.0, cache_modifier=".cg")
+                o = _down_round(tot, e, n, nm, b_ptr, s_be, dt, HAS_BIAS)
+                tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+                tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=om)
+                tl.store(sem_ptr + tile, 0)
 
 
 class ExpertArgs:
@@ -676,9 +824,21 @@ class ExpertArgs:
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
 
 
+_SEMS: dict = {}  # (device, tiles) -> int32 zeros: the split-K tile counters, zeroed again by the kernel
+
+
+def _split_sems(device, n: int) -> torch.Tensor:
+    key = (str(device), n)
+    if key not in _SEMS:
+        _SEMS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _SEMS[key]
+
+
 def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
-                down_bias=None, tiles=None):
-    """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles)."""
+                down_bias=None, tiles=None, grid: str = "auto"):
+    """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles).
+    grid: "expert" (a program per expert), "slot" (a program per assignment, the expert's first one runs it) or
+    "auto": slot when the assignments are fewer than the experts (decode at small batches), else expert."""
     from moecg.kernels.tiles import moe_tiles
 
     T, K = idx.shape
@@ -687,7 +847,12 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     E, inter = a.num_experts, a.inter
     S = T * K
     assert x.stride(1) == 1 and idx.is_contiguous()
+    if grid not in ("auto", "expert", "slot"):
+        raise ValueError(f"grid={grid!r}: choose auto, expert or slot")
+    by_slot = grid == "slot" or (grid == "auto" and S < E)
+    P = S if by_slot else E
     t = tiles or moe_tiles(T, D, inter, E)
+    split = t.down_split if down_bias is None else 1  # a biased down projection keeps one pass (bias before round)
     bm = t.block_m
     m_blocks = triton.cdiv(T, bm)  # an expert gets at most one assignment per token
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
@@ -696,17 +861,27 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         y.zero_()  # pad rows are never written by the kernels
     wc = w.contiguous()
     c = counters
-    _moe_up_kernel[(E, m_blocks, triton.cdiv(inter, t.up_n))](
+    _moe_up_kernel[(P, m_blocks, triton.cdiv(inter, t.up_n))](
         x, idx, valid if valid is not None else idx, wc, gate_up, gate_up_bias if gate_up_bias is not None else h,
         h, c.routed if c is not None else h, c.routed_mass if c is not None else h,
-        c.tokens if c is not None else h, S, D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
+        c.tokens if c is not None else h, S, int(by_slot), D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
         K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=a.jm, JU=a.ju,
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
-        BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=t.up_k, BLOCK_S=64, num_warps=t.warps, num_stages=t.stages)
-    _moe_down_kernel[(E, m_blocks, triton.cdiv(D, t.down_n))](
-        h, idx, valid if valid is not None else idx, wc, down, down_bias if down_bias is not None else h, y, S, D,
-        inter, h.stride(0), down.stride(0), a.s_dn, a.s_dk, down_bias.stride(0) if down_bias is not None else 0,
-        y.stride(1), K=K, HAS_VALID=valid is not None, HAS_BIAS=down_bias is not None,
-        BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=t.down_k, BLOCK_S=64, num_warps=t.warps, num_stages=t.stages)
+        BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=t.up_k, BLOCK_S=64, num_warps=t.warps, num_stages=t.stages,
+        **_pdl_args(x.device))
+    n_blocks = triton.cdiv(D, t.down_n)
+    if split > 1:
+        k_chunk = triton.cdiv(triton.cdiv(inter, split), t.down_k) * t.down_k
+        split = triton.cdiv(inter, k_chunk)
+    else:
+        k_chunk = inter
+    part = torch.empty(split, S, D, dtype=torch.float32, device=x.device) if split > 1 else y
+    sems = _split_sems(x.device, P * m_blocks * n_blocks) if split > 1 else idx
+    _moe_down_kernel[(P, m_blocks, n_blocks * split)](
+        h, idx, valid if valid is not None else idx, wc, down, down_bias if down_bias is not None else h, y, part,
+        sems, S, int(by_slot), D, inter, k_chunk, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
+        down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
+        HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=t.down_k, BLOCK_S=64,
+        num_warps=t.warps, num_stages=t.stages, **_pdl_args(x.device))
     return y

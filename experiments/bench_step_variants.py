@@ -1,0 +1,176 @@
+"""The fused decode step's launch and grid variants, one shape per process, each against the others and the floor.
+
+  python experiments/bench_step_variants.py --preset qwen3_30b_a3b --num-layers 12 --batch 1 8 \
+      --out experiments/results/h200/issue14_step/variants_qwen3.md --json .../variants_qwen3.json
+
+Variants (names: `+`-joined switches on top of `base`):
+  base     every Triton kernel launched plainly (triton_ops.PDL False), the shared expert on the main stream
+           (FastDecode.overlap_shared False), the MoE kernels on a grid of one program per expert, no split-K
+  slot     the MoE kernels on a grid of one program per assignment when assignments < experts (grid="auto")
+  splitN   the down GEMM split N ways over I (MoeTiles.down_split), partials added once in order, in the kernel
+  overlap  the shared expert (silu-mul + down GEMM) on a second stream beside the routed experts
+  pdl      programmatic dependent launch for every Triton kernel of the step
+Each variant is captured (strategy full, capture.kernels=fused, dispatch=fused, the one bucket = the batch) and
+timed by CUDA events over --replays back-to-back replays, median of --repeats; the step's logits from one fixed
+state are compared with base's: variants without split-K must give the same bits (they run the same arithmetic),
+split-K ones the largest difference is printed. --profile VARIANT adds a per-kernel table of that variant (torch
+profiler, CUPTI sees the kernels inside the graph) at each batch size.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+
+import torch
+
+from moecg.capture import Capture
+from moecg.dispatch import attach, detach, make_dispatcher
+from moecg.engine import DecodeEngine
+from moecg.fast import FastDecode
+from moecg.floor import step_floor_ms
+from moecg.kernels import tiles as tiles_mod, triton_ops
+from moecg.models import build_model
+from moecg.report import env_fields, write_report
+
+SWITCHES = ("slot", "overlap", "pdl")
+
+
+def parse_variant(name: str) -> dict:
+    parts = [p for p in name.split("+") if p != "base"]
+    v = {"slot": False, "overlap": False, "pdl": False, "split": 1}
+    for p in parts:
+        if p in SWITCHES:
+            v[p] = True
+        elif p.startswith("split") and p[5:].isdigit():
+            v["split"] = int(p[5:])
+        else:
+            raise SystemExit(f"variant {name!r}: unknown switch {p!r} (base, {', '.join(SWITCHES)}, splitN)")
+    return v
+
+
+@functools.lru_cache(maxsize=None)
+def _orig():
+    return triton_ops.moe_experts, tiles_mod.moe_tiles
+
+
+def set_variant(v: dict) -> None:
+    moe, tiles_of = _orig()
+    triton_ops.PDL = v["pdl"]
+    FastDecode.overlap_shared = v["overlap"]
+
+    def moe_experts(*a, tiles=None, grid="auto", **kw):
+        if tiles is None:  # moe_experts(x [T, D], idx [T, K], w, gate_up, down, ...): the table's tiles
+            ea = triton_ops.ExpertArgs(a[3], a[4], kw.get("spec"))
+            tiles = tiles_of(a[1].shape[0], a[0].shape[1], ea.inter, ea.num_experts)
+        tiles = dataclasses.replace(tiles, down_split=v["split"])
+        return moe(*a, tiles=tiles, grid="auto" if v["slot"] else "expert", **kw)
+
+    triton_ops.moe_experts = moe_experts
+
+
+def kernel_table(engine, bs: int, steps: int = 10, top: int = 25) -> list[tuple[str, float, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with engine.scratch(), profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+        for _ in range(steps):
+            engine.step_impl(engine.ids, bs)
+        torch.cuda.synchronize()
+    rows = sorted(((k.key, k.device_time_total, k.count) for k in prof.key_averages() if k.device_time_total > 0),
+                  key=lambda r: -r[1])
+    return [(name[:90], t / steps, n / steps) for name, t, n in rows[:top]]
+
+
+def time_variant(model, adapter, bs, prompts, cache_len, replays, repeats, bandwidth, profile_it):
+    attach(model, make_dispatcher("fused"), max_rows=bs)
+    try:
+        eng = DecodeEngine(model, cache_len, bs)
+        cap = Capture(eng, "full", buckets=(bs,), kernels="fused").apply()
+        eng.generate(prompts, 4, timing=False)  # cache filled to prompt + 4
+        with eng.scratch():
+            _, logits = eng.step_impl(eng.ids, bs)
+            logits = logits.float().cpu()
+        times = []
+        for _ in range(repeats):
+            with eng.scratch():
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(replays):
+                    eng.step_impl(eng.ids, bs)
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b) / replays)
+        table = kernel_table(eng, bs) if profile_it else None
+        floor = step_floor_ms(eng, adapter, prompts, bandwidth, prompts.shape[1] + 4, False)
+        cap.unwrap()
+        return statistics.median(times), logits, floor, table
+    finally:
+        detach(model)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen1_5_moe_a2_7b")
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--variants", nargs="+", default=["base", "slot", "slot+split2", "slot+split4", "slot+overlap",
+                                                      "slot+pdl", "slot+overlap+pdl", "slot+overlap+pdl+split2"])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--cache-len", type=int, default=512)
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile", nargs="*", default=[], help="variants to profile per kernel")
+    ap.add_argument("--bandwidth-gbps", type=float, default=4300)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    variants = {name: parse_variant(name) for name in args.variants}
+    built = build_model(args.preset, num_layers=args.num_layers, device="cuda")
+    model = built.model
+    results, tables = [], []
+    for bs in args.batch:
+        prompts = torch.randint(0, model.config.vocab_size, (bs, args.prompt_len),
+                                generator=torch.Generator().manual_seed(bs))
+        ref_logits = None
+        for name, v in variants.items():
+            set_variant(v)
+            try:
+                ms, logits, floor, table = time_variant(model, built.adapter, bs, prompts, args.cache_len,
+                                                        args.replays, args.repeats, args.bandwidth_gbps,
+                                                        name in args.profile)
+            except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
+                print(f"{name} bs {bs} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                continue
+            if ref_logits is None:
+                ref_logits = logits
+            diff = float((logits - ref_logits).abs().max())
+            same = bool(torch.equal(logits, ref_logits))
+            row = {"batch_size": bs, "variant": name, "ms": ms, "floor_ms": floor, "x_floor": ms / floor,
+                   "same_bits_as_first": same, "max_logit_diff": diff, **{k: v[k] for k in v}}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            if table:
+                tables.append((name, bs, ms, table))
+    triton_ops.moe_experts = _orig()[0]
+    head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, {env_fields()['device_name']}, "
+            f"prompt {args.prompt_len}, cache {args.cache_len}; captured full+fused step, ms (CUDA events, "
+            f"{args.replays} replays x median of {args.repeats})")
+    lines = [head, "", "| bs | variant | ms | x floor | floor ms | same bits as first | max logit diff |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['batch_size']} | {r['variant']} | {r['ms']:.3f} | {r['x_floor']:.2f} | "
+                     f"{r['floor_ms']:.3f} | {r['same_bits_as_first']} | {r['max_logit_diff']:.2e} |")
+    for name, bs, ms, table in tables:
+        lines += ["", f"per kernel, {name} bs {bs} ({ms:.3f} ms per step):", "",
+                  "| kernel | us/step | share | calls/step |", "|---|---|---|---|"]
+        tot = sum(t for _, t, _ in table)
+        lines += [f"| {k} | {t:.1f} | {t / tot:.1%} | {n:.1f} |" for k, t, n in table]
+    write_report("\n".join(lines), results, args, args.out, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
