@@ -10,6 +10,7 @@ Variants (names: `+`-joined switches on top of `base`):
   splitN   the down GEMM split N ways over I (MoeTiles.down_split), partials added once in order, in the kernel
   overlap  the shared expert (silu-mul + down GEMM) on a second stream beside the routed experts
   pdl      programmatic dependent launch for every Triton kernel of the step
+  F=N      a MoE tile field (moecg.kernels.tiles.MoeTiles: up_n, up_k, down_n, down_k, warps, stages, block_m)
 Each variant is captured (strategy full, capture.kernels=fused, dispatch=fused, the one bucket = the batch) and
 timed by CUDA events over --replays back-to-back replays, median of --repeats; the step's logits from one fixed
 state are compared with base's: variants without split-K must give the same bits (they run the same arithmetic),
@@ -37,6 +38,7 @@ from moecg.models import build_model
 from moecg.report import env_fields, write_report
 
 SWITCHES = ("slot", "overlap", "pdl")
+TILE_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.MoeTiles) if f.name != "down_split")
 
 
 def parse_variant(name: str) -> dict:
@@ -47,6 +49,8 @@ def parse_variant(name: str) -> dict:
             v[p] = True
         elif p.startswith("split") and p[5:].isdigit():
             v["split"] = int(p[5:])
+        elif "=" in p and p.split("=")[0] in TILE_FIELDS:  # a MoE tile field, e.g. down_n=32
+            v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} (base, {', '.join(SWITCHES)}, splitN)")
     return v
@@ -66,7 +70,7 @@ def set_variant(v: dict) -> None:
         if tiles is None:  # moe_experts(x [T, D], idx [T, K], w, gate_up, down, ...): the table's tiles
             ea = triton_ops.ExpertArgs(a[3], a[4], kw.get("spec"))
             tiles = tiles_of(a[1].shape[0], a[0].shape[1], ea.inter, ea.num_experts)
-        tiles = dataclasses.replace(tiles, down_split=v["split"])
+        tiles = dataclasses.replace(tiles, down_split=v["split"], **v.get("tiles", {}))
         return moe(*a, tiles=tiles, grid="auto" if v["slot"] else "expert", **kw)
 
     triton_ops.moe_experts = moe_experts
@@ -149,7 +153,7 @@ def main(argv=None):
             diff = float((logits - ref_logits).abs().max())
             same = bool(torch.equal(logits, ref_logits))
             row = {"batch_size": bs, "variant": name, "ms": ms, "floor_ms": floor, "x_floor": ms / floor,
-                   "same_bits_as_first": same, "max_logit_diff": diff, **{k: v[k] for k in v}}
+                   "same_bits_as_first": same, "max_logit_diff": diff, **{k: v[k] for k in v if k != "tiles"}, "tiles": v.get("tiles", {})}
             results.append(row)
             print(json.dumps(row), flush=True)
             if table:
