@@ -2,6 +2,9 @@
 
   python experiments/bench_vs_compile.py --preset qwen1_5_moe_a2_7b --batch 1 8 --out experiments/results/h200/vs_compile.md
   python experiments/bench_vs_compile.py --preset mixtral_tiny --device cpu --batch 1 --compile-mode default  # smoke
+  python experiments/bench_vs_compile.py --preset qwen3_30b_a3b --num-layers 12 --batch 1 8 --prompt-len 30000 \
+      --cache-len 32768 --buckets 1 8 --prefill-chunk 2048 --skip-compile --skip-hf-generate \
+      --strategies full full+fused  # long context (issue 14): the engine holds max(--buckets) rows of the cache
 
 Rows, all greedy, ms per decode step (prefill excluded), same prompts, same max cache length:
   hf_generate      `model.generate()` with its defaults (DynamicCache; experts_implementation grouped_mm, which
@@ -16,9 +19,12 @@ Rows, all greedy, ms per decode step (prefill excluded), same prompts, same max 
                    through moecg.kernels.capacity_ops (Triton slots + GEMMs, every expert's weights once)
   floor ms         the HBM floor of the dropless step (the experts one step hits); capacity floor ms: of the capacity
                    step, every expert's weights read (moecg.floor, the dispatcher's reads_all_experts)
-                   capture_s: every bucket 1..64 captured (the engine holds 64 rows), JIT compiles included
+                   capture_s: every bucket of --buckets captured (the engine holds max(--buckets) rows), JIT
+                   compiles included
                    agree: greedy-token agreement with HF's modules run eagerly (dropless), same prompts
 Timing: CUDA events per step after warmup, median over steps of --repeats generates (perf_counter on CPU).
+--prefill-chunk N: every moecg engine (the reference's too) prefills N tokens per forward (DecodeEngine prefill_chunk);
+hf_generate and compile keep their one-forward prefill, which only their timing's prefill part sees.
 """
 from __future__ import annotations
 
@@ -31,9 +37,9 @@ import time
 import torch
 from transformers import StaticCache
 
-from moecg.capture import Capture, bucket_for
+from moecg.capture import Capture, validate_buckets
 from moecg.dispatch import attach, detach, make_dispatcher
-from moecg.engine import DecodeEngine
+from moecg.engine import DecodeEngine, check_prefill_chunk
 from moecg.fidelity import agreement, top2_margins
 from moecg.floor import step_floor_ms
 from moecg.report import env_fields, write_report
@@ -97,27 +103,27 @@ def compile_ms(model, prompts, new_tokens, repeats, cache_len, mode, ref=None):
     return statistics.median(steps), compile_s, fid
 
 
-def reference_tokens(model, prompts, new_tokens, cache_len):
+def reference_tokens(model, prompts, new_tokens, cache_len, prefill_chunk=None):
     """Greedy tokens of HF's own modules, eager, dropless dispatch, and eager's top-1 minus top-2 logit margin
     at every step ([n, new_tokens] each): what every dropless run is compared with."""
     attach(model, make_dispatcher("dropless"), max_rows=prompts.shape[0])
     try:
-        r = DecodeEngine(model, cache_len, prompts.shape[0]).generate(prompts, new_tokens, timing=False,
-                                                                      keep_logits=True)
+        r = DecodeEngine(model, cache_len, prompts.shape[0], prefill_chunk).generate(prompts, new_tokens, timing=False,
+                                                                                     keep_logits=True)
         return r.tokens, top2_margins(r.logits)
     finally:
         detach(model)
 
 
 def moecg_ms(model, adapter, prompts, new_tokens, repeats, cache_len, strategy, dispatch, kw, buckets,
-             compile_mode, bandwidth_gbps, context, kernels="hf", ref_tokens=None) -> dict:
+             compile_mode, bandwidth_gbps, context, kernels="hf", ref_tokens=None, prefill_chunk=None) -> dict:
     """One strategy: ms (CUDA events), wall (ms per step, host loop included), capture_s, captured, floor,
     agree (free, forced, margin at flips; None without a reference)."""
     B = prompts.shape[0]
     rows = max(max(buckets), B)  # every bucket gets captured: capture_s is the all-buckets cost
     attach(model, make_dispatcher(dispatch, **kw), max_rows=rows)
     try:
-        engine = DecodeEngine(model, cache_len, rows)
+        engine = DecodeEngine(model, cache_len, rows, prefill_chunk)
         t0 = time.perf_counter()
         cap = Capture(engine, strategy, buckets=buckets, compile=compile_mode is not None,
                       compile_mode=compile_mode or "default", kernels=kernels).apply()
@@ -155,6 +161,11 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--cache-len", type=int, default=256)
+    ap.add_argument("--buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
+                    help="capture buckets; the engine allocates max(--buckets) rows of --cache-len (long context: "
+                         "e.g. --buckets 1 8)")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prompt tokens per prefill forward of every moecg engine (default: the prompt in one)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile-mode", default="reduce-overhead")
     ap.add_argument("--strategies", nargs="+", default=["partial", "full", "capacity", "full+fused", "capacity+fused"],
@@ -170,10 +181,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.prompt_len + args.new_tokens > args.cache_len:
         ap.error(f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} exceeds --cache-len {args.cache_len}")
+    try:
+        buckets = validate_buckets(args.buckets)
+        check_prefill_chunk(args.prefill_chunk)
+    except (ValueError, TypeError) as e:
+        ap.error(str(e).replace("prefill_chunk=", "--prefill-chunk ").replace("capture.buckets", "--buckets"))
+    if args.prefill_chunk is not None and any(s.partition("+")[0] == "capacity" for s in args.strategies):
+        ap.error("--prefill-chunk with a capacity strategy: its prefill drops by the tokens per forward, so chunks "
+                 "would change what it drops; leave capacity out of --strategies or drop --prefill-chunk")
 
     built = build_model(args.preset, num_layers=args.num_layers, device=args.device)
     model, dev = built.model, built.device
-    buckets = (1, 2, 4, 8, 16, 32, 64)
     results = []
     for bs in args.batch:
         prompts = torch.randint(0, model.config.vocab_size, (bs, args.prompt_len),
@@ -182,7 +200,7 @@ def main(argv=None):
         model.set_experts_implementation("grouped_mm")
         if not args.skip_hf_generate:
             row["hf_generate"] = hf_generate_ms(model, prompts, args.new_tokens, args.repeats)
-        ref_tokens = reference_tokens(model, prompts.cpu(), args.new_tokens, args.cache_len)
+        ref_tokens = reference_tokens(model, prompts.cpu(), args.new_tokens, args.cache_len, args.prefill_chunk)
         row["compile"], row["compile_s"], row["compile:agree"] = float("nan"), float("nan"), None
         if not args.skip_compile:
             try:
@@ -201,7 +219,8 @@ def main(argv=None):
             try:
                 m = moecg_ms(model, built.adapter, prompts.cpu(), args.new_tokens, args.repeats, args.cache_len,
                              name, dispatch, kw, buckets, mode, args.bandwidth_gbps, context,
-                             kernels="fused" if extra == "fused" else "hf", ref_tokens=ref_tokens)
+                             kernels="fused" if extra == "fused" else "hf", ref_tokens=ref_tokens,
+                             prefill_chunk=args.prefill_chunk)
             except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
                 print(f"moecg:{s} failed: {type(e).__name__}: {e}", flush=True)
                 nan = float("nan")
@@ -216,7 +235,9 @@ def main(argv=None):
 
     head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, {env_fields()['device_name']}, "
             f"prompt {args.prompt_len}, {args.new_tokens} new tokens, StaticCache {args.cache_len}, "
-            f"compile mode {args.compile_mode}; ms per decode step (ratio to compile)")
+            f"compile mode {args.compile_mode}, buckets {list(buckets)}, prefill "
+            + (f"chunk {args.prefill_chunk} (moecg engines)" if args.prefill_chunk else "in one forward")
+            + "; ms per decode step (ratio to compile)")
     cols = (["hf_generate"] if not args.skip_hf_generate else []) + ["compile"] + [f"moecg:{s}" for s in args.strategies]
     nan = float("nan")
     lines = [head, "", "| bs | " + " | ".join(cols) + " | compile s | floor ms | capacity floor ms |",
@@ -225,7 +246,7 @@ def main(argv=None):
         cells = [f"{r[c]:.2f} ({r[c] / r['compile']:.2f}x)" for c in cols]
         lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + f" | {r['compile_s']:.1f} | "
                      f"{r.get('floor_ms', nan):.2f} | {r.get('capacity_floor_ms', nan):.2f} |")
-    lines += ["", "capture time for all buckets 1-64 (s; compile: its first two generates at this batch size) | "
+    lines += ["", f"capture time for all buckets {list(buckets)} (s; compile: its first two generates at this batch size) | "
               "greedy agreement with HF eager, free-running / teacher-forced | largest eager top-1 minus top-2 "
               "logit margin among the teacher-forced disagreements:", "",
               "| bs | compile | " + " | ".join(f"moecg:{s}" for s in args.strategies) + " |",

@@ -14,6 +14,13 @@ a CUDA graph or read by the fused step. The model still masks each sliding layer
 create_sliding_window_causal_mask, given a cache without sliding layers, sizes the mask from layer 0 (the whole
 linear cache) and masks by absolute position, which is exact on a linear cache. Memory: max_cache_len slots per
 layer, as for full attention.
+
+Chunked prefill (`prefill_chunk=c`): the padded prompt runs through the model c tokens at a time on the same cache.
+HF's model continues from the cache: positions are `cache.get_seq_length()` (the shared device counter) onward, and
+its mask is [B, 1, c, L] over the whole linear cache, causal (and windowed) by absolute position, so every chunk sees
+exactly the keys one forward would show it; on sliding layers too, because no slot is ever overwritten. It bounds the
+prefill's mask and activations by c tokens instead of the prompt's S (a [B, 1, S, L] mask and S-token intermediates
+are what a long prompt cannot afford). A dispatcher that drops is refused: capacity depends on the tokens per forward.
 """
 from __future__ import annotations
 
@@ -33,6 +40,37 @@ from moecg.models.adapter import adapter_for
 
 class CacheOverflowError(ValueError):
     pass
+
+
+def check_prefill_chunk(chunk, prefiller=None) -> int | None:
+    """`prefill_chunk` as given (None: one forward) or a ValueError naming the key and the fix.
+
+    prefiller: the dispatcher that runs the prefill (DispatchState.prefill_dispatcher, else its dispatcher), if known.
+    """
+    if chunk is None:
+        return None
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2:
+        # one-token chunks have a decode step's shapes, which per-layer graphs and the fused step would take over
+        raise ValueError(f"prefill_chunk={chunk!r}: must be null (one forward) or an integer >= 2 "
+                         "(e.g. prefill_chunk=2048)")
+    if prefiller is not None and prefiller.drops:
+        raise ValueError(f"prefill_chunk={chunk} with a prefill dispatcher that drops ({prefiller.name}): its capacity "
+                         "depends on the tokens per forward, so chunks would drop other assignments than one forward; "
+                         "prefill dropless with dispatch.prefill=dropless, or set prefill_chunk=null")
+    return chunk
+
+
+def chunk_bounds(S: int, chunk: int | None) -> list[tuple[int, int]]:
+    """[start, end) of each prefill forward over S prompt tokens, at most `chunk` tokens each (None: one forward).
+
+    A one-token tail joins the chunk before it (chunk + 1 tokens): a one-token forward has a decode step's shapes,
+    so a per-layer graph captured for decode would replay it with the decode dispatcher and counters."""
+    if chunk is None or S <= chunk:
+        return [(0, S)]
+    starts = list(range(0, S, chunk))
+    if S - starts[-1] == 1:
+        starts.pop()
+    return list(zip(starts, starts[1:] + [S]))
 
 
 def _kv_shape(config):
@@ -124,8 +162,10 @@ class GenerateResult:
 
 
 class DecodeEngine:
-    def __init__(self, model, max_cache_len: int, max_rows: int):
+    def __init__(self, model, max_cache_len: int, max_rows: int, prefill_chunk: int | None = None):
+        """prefill_chunk: prompt tokens per prefill forward (None: the whole prompt in one forward; module docstring)."""
         self.model = model
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk, _prefiller(state_of(model)))
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_cache_len, self.max_rows = max_cache_len, max_rows
@@ -193,14 +233,16 @@ class DecodeEngine:
         """prompts [n, S] -> (first new ids [n], logits [n, V], rows run). Resets the cache first."""
         n, S = prompts.shape
         self.check_fits(S, 1)
+        state = state_of(self.model)
+        check_prefill_chunk(self.prefill_chunk, _prefiller(state))  # the dispatcher may have changed since __init__
         rows = self.rows_for(n)
         self.cache.reset()
         padded = torch.zeros(rows, S, dtype=torch.long, device=self.device)  # [B, S]
         padded[:n] = prompts.to(self.device)
         self._set_rows(n, rows)
-        state = state_of(self.model)
         with state.prefill() if state is not None else _null():
-            logits = self.forward(padded, rows)  # [B, V]
+            for a, b in chunk_bounds(S, self.prefill_chunk):
+                logits = self.forward(padded[:, a:b], rows)  # [B, V] of the chunk's last token
         return logits[:n].argmax(-1), logits[:n], rows
 
     @torch.no_grad()
@@ -287,6 +329,13 @@ class DecodeEngine:
             torch.cuda.synchronize(self.device)
             step_ms = [a.elapsed_time(b) for a, b in events]
         return GenerateResult(out.cpu(), step_ms, step_rows, prefill_ms, logits_log, rows_log)
+
+
+def _prefiller(state):
+    """The dispatcher the prefill runs (DispatchState.prefill swaps it in), None without one attached."""
+    if state is None:
+        return None
+    return state.prefill_dispatcher if state.prefill_dispatcher is not None else state.dispatcher
 
 
 @contextmanager

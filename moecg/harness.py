@@ -201,12 +201,12 @@ def _run(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
     if m.fidelity:
         with phases("reference", "dropless eager decode (the fidelity reference)"):
             attach(model, par(make_dispatcher("dropless")), max_rows=rows)
-            ref = DecodeEngine(model, plan.max_cache_len, rows).generate(prompts, plan.new_tokens, keep_logits=keep,
-                                                                         timing=False)
+            ref = DecodeEngine(model, plan.max_cache_len, rows, plan.prefill_chunk).generate(
+                prompts, plan.new_tokens, keep_logits=keep, timing=False)
             detach(model)
             left -= per_pass
     attach(model, dispatcher, max_rows=rows).prefill_dispatcher = par(plan.prefill_dispatcher)
-    engine = DecodeEngine(model, plan.max_cache_len, rows)
+    engine = DecodeEngine(model, plan.max_cache_len, rows, plan.prefill_chunk)
     eager_steps = None
     if plan.needs_baseline:
         with phases("baseline", f"strategy=eager with dispatch={dispatcher.name}, {m.repeats} timed repeats"):
@@ -248,7 +248,7 @@ def _run(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
         **_identity(plan, built, state, stats, group), "workload": "fixed",
         "batch_size": B, "bucket": rows_run if stats["captured"] else None,
         "prompt_len": plan.prompt_len, "new_tokens": plan.new_tokens, "max_cache_len": plan.max_cache_len,
-        "seed": plan.seed, "prompts": plan.prompts_kind, "capacity": cap_used, "capacity_buffer": cap_buffer,
+        "prefill_chunk": plan.prefill_chunk, "seed": plan.seed, "prompts": plan.prompts_kind, "capacity": cap_used, "capacity_buffer": cap_buffer,
         **_capture_fields(stats),
         "ms_per_token_p50": p50, "ms_per_token_p90": percentile(steps, 0.9),
         "latency_spread": spread, "latency_noisy": bool(spread is not None and spread > NOISY_SPREAD),

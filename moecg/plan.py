@@ -125,6 +125,7 @@ class RunPlan:
     memory_bytes: int = 0  # estimate: weights + KV caches + the largest transient
     decode_steps: int = 0  # decode steps the whole run executes (every repeat, baseline and fidelity pass)
     workload: object = None  # moecg.workload.WorkloadPlan: FIXED, or the requests a serving run replays
+    prefill_chunk: int | None = None  # prompt tokens per prefill forward (None: the whole prompt in one)
 
     @property
     def serving(self) -> bool:
@@ -211,6 +212,7 @@ def resolve_plan(cfg) -> RunPlan:
         prefill_dispatcher = make_dispatcher(prefill)
     else:
         raise PlanError(f"dispatch.prefill={prefill!r}: choose same or one of {', '.join(sorted(REGISTRY))}")
+    prefill_chunk = _prefill_chunk(cfg.prefill_chunk, prefill_dispatcher or dispatcher, cfg.get("workload"))
 
     # strategy x dispatch x layers
     layers_spec = cfg.strategy.layers
@@ -305,11 +307,31 @@ def resolve_plan(cfg) -> RunPlan:
         compile=compile_, compile_mode=compile_mode, kernels=kernels, kernel_backend=kernel_backend,
         measure=measure, needs_baseline=needs_baseline, memory_bytes=0,
         decode_steps=steps if serving else passes * max(new_tokens - 1, 1), workload=workload, parallel=parallel,
+        prefill_chunk=prefill_chunk,
     )
     need = estimate_memory(plan)
     object.__setattr__(plan, "memory_bytes", need)
     check_fits(plan)
     return plan
+
+
+def _prefill_chunk(value, prefiller: Dispatcher, workload) -> int | None:
+    """prefill_chunk (moecg.engine.DecodeEngine): None, or tokens per prefill forward on the fixed-batch engine."""
+    from moecg.engine import check_prefill_chunk
+    from moecg.workload import workload_name
+
+    if value is None:
+        return None
+    chunk = _int(value, "prefill_chunk", 2, 2048)
+    wl = workload_name(workload)
+    if wl != "fixed":
+        raise PlanError(f"prefill_chunk={chunk} with workload={wl}: serving prefills on the ragged engine, which does "
+                        "not chunk (workload.prefill_tokens bounds its batched prefills instead); set "
+                        "prefill_chunk=null or use workload=fixed")
+    try:
+        return check_prefill_chunk(chunk, prefiller)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 def _model_plan(m) -> ModelPlan:
@@ -441,6 +463,12 @@ def _kv_bytes_per_layer(plan: RunPlan, dtype_bytes: int) -> int:
     return plan.max_rows * per_token * plan.max_cache_len * dtype_bytes
 
 
+def _prefill_tokens(plan: RunPlan) -> int:
+    """Prompt tokens per row in one prefill forward (a one-token tail joins the chunk before it)."""
+    c = plan.prefill_chunk
+    return plan.prompt_len if c is None or plan.prompt_len <= c + 1 else c + 1
+
+
 def estimate_memory(plan: RunPlan) -> int:
     """Bytes the run holds at its peak: weights, the KV caches of the reference and measured engines, logits."""
     nbytes = torch.empty((), dtype=plan.dtype).element_size()
@@ -450,9 +478,11 @@ def estimate_memory(plan: RunPlan) -> int:
         engines = 1 + (1 if plan.workload.anchor else 0)
     kv = engines * plan.model.layers * _kv_bytes_per_layer(plan, nbytes)
     cfg = plan.model.config
-    # prefill transient: hidden states and the MLP's widest activation for every prompt token, fp32 logits kept
+    # prefill transient, per forward (a chunk with prefill_chunk): hidden states and the MLP's widest activation for
+    # every token, and HF's [B, 1, S, L] boolean mask over the whole cache; fp32 logits kept
     width = max(getattr(cfg, "intermediate_size", 0), getattr(cfg, "moe_intermediate_size", 0) or 0) * 2
-    transient = plan.max_rows * plan.prompt_len * (cfg.hidden_size * 4 + width) * 4
+    tokens = plan.max_rows * _prefill_tokens(plan)
+    transient = tokens * (cfg.hidden_size * 4 + width) * 4 + tokens * plan.max_cache_len
     logits = plan.max_rows * cfg.vocab_size * 4 * (plan.new_tokens + 2)
     return int(weights + kv + transient + logits)
 
@@ -468,7 +498,7 @@ def grouped_fallback_bytes(plan: RunPlan) -> int:
     k = ADAPTERS[plan.model.family].top_k(cfg)
     inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     nbytes = torch.empty((), dtype=plan.dtype).element_size()
-    return plan.max_rows * plan.prompt_len * k * cfg.hidden_size * 2 * inter * nbytes
+    return plan.max_rows * _prefill_tokens(plan) * k * cfg.hidden_size * 2 * inter * nbytes
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -497,8 +527,8 @@ def check_fits(plan: RunPlan, available: int | None = None) -> None:
             and plan.memory_bytes + fallback > MEMORY_HEADROOM * avail:
         raise PlanError(f"model.dtype={plan.model.dtype} on CUDA: grouped_mm has a fast kernel only for bf16, and its "
                         f"fallback gathers an expert weight per assignment, {fallback / 2**30:.0f} GiB for this prefill "
-                        f"(batch {plan.max_rows} x prompt {plan.prompt_len}): use model.dtype=bf16 (or auto), or a "
-                        "smaller batch_size/prompt_len")
+                        f"(batch {plan.max_rows} x prompt {_prefill_tokens(plan)} per forward): use model.dtype=bf16 (or "
+                        "auto), or a smaller batch_size/prompt_len/prefill_chunk")
     if avail is None or plan.memory_bytes <= MEMORY_HEADROOM * avail:
         return
     nbytes = torch.empty((), dtype=plan.dtype).element_size()

@@ -63,6 +63,8 @@ FIELDS: tuple[Field, ...] = (
     _f("prompt_len", "workload", "prompt tokens per row (workload=fixed)"),
     _f("new_tokens", "workload", "tokens generated per row, the first by the prefill (workload=fixed)"),
     _f("max_cache_len", "workload", "KV cache slots per row"),
+    _f("prefill_chunk", "workload", "prompt tokens per prefill forward (a one-token tail joins the chunk before it); "
+       "null: the whole prompt in one forward, and always when serving"),
     _f("seed", "workload", "weights, router skew and random prompts"),
     _f("prompts", "workload", "random | heldout | file"),
     _f("capacity", "workload", "capacity only: mean C applied per MoE call during decode, from the device "
