@@ -4,12 +4,14 @@
       --out experiments/results/h200/issue14_step/variants_qwen3.md --json .../variants_qwen3.json
 
 Variants (names: `+`-joined switches on top of `base`):
-  base     every Triton kernel launched plainly (triton_ops.PDL False), the shared expert on the main stream
+  base     every Triton kernel launched plainly (triton_ops.PDL 0), the shared expert on the main stream
            (FastDecode.overlap_shared False), the MoE kernels on a grid of one program per expert, no split-K
   slot     the MoE kernels on a grid of one program per assignment when assignments < experts (grid="auto")
   splitN   the down GEMM split N ways over I (MoeTiles.down_split), partials added once in order, in the kernel
   overlap  the shared expert (silu-mul + down GEMM) on a second stream beside the routed experts
-  pdl      programmatic dependent launch for every Triton kernel of the step
+  pdl      programmatic dependent launch for every Triton kernel of the step, each triggering its successor's
+           launch at its start (triton_ops.PDL mode 2); pdl1: each only waits (mode 1: the successor launches as
+           its blocks exit)
   F=N      a MoE tile field (moecg.kernels.tiles.MoeTiles: up_n, up_k, down_n, down_k, warps, stages, block_m)
 Each variant is captured (strategy full, capture.kernels=fused, dispatch=fused, the one bucket = the batch) and
 timed by CUDA events over --replays back-to-back replays, median of --repeats; the step's logits from one fixed
@@ -37,22 +39,25 @@ from moecg.kernels import tiles as tiles_mod, triton_ops
 from moecg.models import build_model
 from moecg.report import env_fields, write_report
 
-SWITCHES = ("slot", "overlap", "pdl")
+SWITCHES = ("slot", "overlap")
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.MoeTiles) if f.name != "down_split")
 
 
 def parse_variant(name: str) -> dict:
     parts = [p for p in name.split("+") if p != "base"]
-    v = {"slot": False, "overlap": False, "pdl": False, "split": 1}
+    v = {"slot": False, "overlap": False, "pdl": 0, "split": 1}
     for p in parts:
         if p in SWITCHES:
             v[p] = True
+        elif p in ("pdl", "pdl1", "pdl2"):
+            v["pdl"] = 1 if p == "pdl1" else 2
         elif p.startswith("split") and p[5:].isdigit():
             v["split"] = int(p[5:])
         elif "=" in p and p.split("=")[0] in TILE_FIELDS:  # a MoE tile field, e.g. down_n=32
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
-            raise SystemExit(f"variant {name!r}: unknown switch {p!r} (base, {', '.join(SWITCHES)}, splitN)")
+            raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, F=N)")
     return v
 
 

@@ -241,11 +241,11 @@ def test_kernels_compile_for_hopper():
     build(cap._cap_up_kernel, dict(K=4, KP=4, HAS_VALID=False, COUNT=False, JM=2, JU=1, HAS_BIAS=True, ACT=1,
                                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64))
     build(cap._cap_down_kernel, dict(K=4, KP=4, RENORM=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))
-    for pdl in (False, True):  # programmatic dependent launch: the griddepcontrol instructions lower for sm_90
+    for pdl in (0, 1, 2):  # programmatic dependent launch: the griddepcontrol instructions lower for sm_90
         build(tri._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=1, JU=1408, HAS_BIAS=False, ACT=0,
                                        BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=pdl))
         for split in (1, 4):  # split-K: the partial stores, the tile counter's atomic and the in-order fix-up
             build(tri._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=split == 1, SPLIT=split, BLOCK_M=16,
                                              BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=pdl))
     build(tri._add_rmsnorm_kernel, dict(KK=4, HAS_RES=True, HAS_SHARED=True, HAS_SGATE=True, HAS_VALID=False,
-                                        CAST_LAST=False, BLOCK_D=2048, USE_PDL=True))
+                                        CAST_LAST=False, BLOCK_D=2048, USE_PDL=2))

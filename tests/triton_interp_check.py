@@ -46,6 +46,15 @@ keys, vals, q = torch.randn(T, Hkv, L, Dh), torch.randn(T, Hkv, L, Dh), torch.ra
 for p, window in ((0, 0), (33, 0), (79, 0), (70, 20)):
     close(ref.attn_decode(q, keys, vals, torch.tensor(p), 0.25, window),
           tri.attn_decode(q, keys, vals, torch.tensor(p), 0.25, window))
+# split contexts: the last split of each (row, kv head) merges the partials in the kernel; with sinks too
+L2 = 200
+keys2, vals2 = torch.randn(T, Hkv, L2, Dh), torch.randn(T, Hkv, L2, Dh)
+sinks = torch.randn(Hq)
+for p, window, sk in ((150, 0, None), (199, 0, sinks), (180, 100, None), (60, 0, sinks)):
+    for splits in (2, 3):
+        close(ref.attn_decode(q, keys2, vals2, torch.tensor(p), 0.25, window, sinks=sk),
+              tri.attn_decode(q, keys2, vals2, torch.tensor(p), 0.25, window, sinks=sk, splits=splits))
+assert all(int(s.abs().sum()) == 0 for s in tri._SEMS.values())
 logits = torch.randn(T, E + 3)[:, :E]
 for norm in (True, False):
     i1, w1 = ref.route(logits, K, norm, torch.float32)

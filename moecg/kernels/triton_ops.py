@@ -21,18 +21,21 @@ def _p2(n: int) -> int:
 
 # Programmatic dependent launch (Hopper+): a kernel launched with it may start while its predecessor drains; it
 # waits (gdc_wait) for the predecessor's completion and memory before touching memory, so results are unchanged
-# and only launch latency and prologue overlap. None: on where the device (sm90+) and Triton support it; the
-# benchmarks set False to measure without it. Off under the CPU interpreter.
-PDL: bool | None = None
+# and only launch latency and prologue overlap. Modes: 0 off; 1 wait only (the next kernel may launch as this one's
+# blocks exit); 2 also trigger the next kernel's launch at once (gdc_launch_dependents at the start).
+# PDL None: mode 2 where the device (sm90+) and Triton support it; benchmarks set 0, 1 or 2. Off under the CPU
+# interpreter.
+PDL: int | None = None
 
 
-def use_pdl(device) -> bool:
+def pdl_mode(device) -> int:
+    if device.type != "cuda":
+        return 0
     if PDL is not None:
-        return bool(PDL) and device.type == "cuda"
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return False
-    return _pdl_supported() and _capability(device.index if device.index is not None else
-                                            torch.cuda.current_device()) >= 9
+        return int(PDL)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not _pdl_supported():
+        return 0
+    return 2 if _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9 else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,14 +52,20 @@ def _pdl_supported() -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(tl.extra.cuda, "gdc_wait")
 
 
-def _pdl_kw(on: bool) -> dict:
-    return {"launch_pdl": True} if on else {}
+_SEMS: dict = {}  # (device, tiles, kernel) -> int32 zeros: split tiles' arrival counters, zeroed again by the kernel
+
+
+def _split_sems(device, n: int, kind: str) -> torch.Tensor:
+    key = (str(device), n, kind)
+    if key not in _SEMS:
+        _SEMS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _SEMS[key]
 
 
 def _pdl_args(device) -> dict:
-    """The launch arguments of a PDL-aware kernel: its USE_PDL flag and, when on, Triton's launch option."""
-    on = use_pdl(device)
-    return {"USE_PDL": on, **_pdl_kw(on)}
+    """The launch arguments of a PDL-aware kernel: its USE_PDL mode and, when on, Triton's launch option."""
+    mode = pdl_mode(device)
+    return {"USE_PDL": mode, **({"launch_pdl": True} if mode else {})}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -66,10 +75,11 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
                         T, D, eps, s_yt, s_yk, s_rt, s_sht, s_sgt, s_ort, s_ot,
                         KK: tl.constexpr, HAS_RES: tl.constexpr, HAS_SHARED: tl.constexpr,
                         HAS_SGATE: tl.constexpr, HAS_VALID: tl.constexpr, CAST_LAST: tl.constexpr,
-                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
+                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = 0):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
@@ -132,10 +142,11 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, q_ptr, 
                        T, eps, clip, s_pos, s_qkv, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_qt, s_qh,
                        HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, R: tl.constexpr,
                        HAS_QKN: tl.constexpr, NORM_FULL: tl.constexpr, HAS_CLIP: tl.constexpr,
-                       USE_PDL: tl.constexpr = False):
+                       USE_PDL: tl.constexpr = 0):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): q heads, [HQ, HQ+HKV): k heads, then v heads
     d = tl.arange(0, DH)
@@ -221,9 +232,11 @@ def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: 
 
 # ------------------------------------------------------------------------------------------------------------
 # decode attention: one program per (row, kv head, split of the context); the query heads of a kv group
-# form the rows of a tensor-core tile. Splits > 1 write partial (max, sum, acc) merged by a second kernel.
-# Attention sinks (GPT-OSS) are one more logit per head with no value: they start the running (max, sum) at
-# (sink, 1) -- in the merge kernel when the context is split -- and never touch the accumulator.
+# form the rows of a tensor-core tile. Splits > 1 write partial (max, sum, acc); the split of a (row, kv head)
+# that finishes last (an arrival counter) merges them in split order, in the same kernel, so the result does not
+# depend on which split ends last. Attention sinks (GPT-OSS) are one more logit per head with no value: they
+# start the running (max, sum) at (sink, 1) -- in the merge when the context is split -- and never touch the
+# accumulator.
 # EAGER rounds the scores as HF's eager attention does (model dtype after QK and after the scaling); with sinks it
 # also rounds the max-subtracted logits, which needs the final max first: TWO_PASS reads K twice (max, then the
 # softmax with that max fixed), in one split.
@@ -236,14 +249,15 @@ def _scores(q, k, scaling, dt: tl.constexpr, EAGER: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T", "chunk", "window"])
-def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
+def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, sem_ptr,
                         T, scaling, window, chunk, s_pos, s_qt, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ot,
                         G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BLOCK_L: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, EAGER: tl.constexpr,
-                        TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr, USE_PDL: tl.constexpr = False):
+                        TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr, USE_PDL: tl.constexpr = 0):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -312,39 +326,42 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
             out = acc / l_i[:, None]
             tl.store(o_ptr + t * s_ot + (hk * G + gi)[:, None] * DH + d[None, :], out.to(o_ptr.dtype.element_ty),
                      mask=gm[:, None])
-        else:
-            row = (t * tl.num_programs(1) + hk) * tl.num_programs(2) + sp
-            tl.store(m_ptr + row * GP + gi, m_i)
-            tl.store(l_ptr + row * GP + gi, l_i)
-            tl.store(acc_ptr + (row * GP + gi)[:, None] * DH + d[None, :], acc)
+        else:  # store this split's partials; the last split of the (row, kv head) to finish merges them all
+            head = t * tl.num_programs(1) + hk
+            row0 = head * tl.num_programs(2)
+            tl.store(m_ptr + (row0 + sp) * GP + gi, m_i)
+            tl.store(l_ptr + (row0 + sp) * GP + gi, l_i)
+            tl.store(acc_ptr + ((row0 + sp) * GP + gi)[:, None] * DH + d[None, :], acc)
+            tl.debug_barrier()
+            done = tl.atomic_add(sem_ptr + head, 1, sem="acq_rel", scope="gpu")
+            if done == tl.num_programs(2) - 1:  # the others' partials are visible (acquire)
+                _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, tl.num_programs(2), G, GP,
+                            DH, HAS_SINK)
+                tl.store(sem_ptr + head, 0)  # zero again for the next call (and graph replay)
 
 
-@triton.jit(do_not_specialize=["splits"])
-def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, splits, G: tl.constexpr, GP: tl.constexpr,
-                       DH: tl.constexpr, HAS_SINK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    t = tl.program_id(0)
-    hk = tl.program_id(1)
+@triton.jit
+def _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, splits, G: tl.constexpr,
+                GP: tl.constexpr, DH: tl.constexpr, HAS_SINK: tl.constexpr):
+    """Merge the `splits` partial (max, sum, acc) of one (row, kv head), in split order, into its output heads.
+    Run by the split that finishes last; its loads go to L2 (.cg), where the other splits' stores are."""
     gi = tl.arange(0, GP)
     d = tl.arange(0, DH)
-    row0 = (t * tl.num_programs(1) + hk) * splits
     m = tl.full([GP], float("-inf"), dtype=tl.float32)
     if HAS_SINK:
         sink = tl.load(sink_ptr + hk * G + gi, mask=gi < G, other=0.0).to(tl.float32)
         m = sink
     for sp in range(splits):
-        m = tl.maximum(m, tl.load(m_ptr + (row0 + sp) * GP + gi))
+        m = tl.maximum(m, tl.load(m_ptr + (row0 + sp) * GP + gi, cache_modifier=".cg"))
     l_tot = tl.zeros([GP], dtype=tl.float32)
     if HAS_SINK:
         l_tot = tl.exp(sink - m)
     acc = tl.zeros([GP, DH], dtype=tl.float32)
     for sp in range(splits):
-        ms = tl.load(m_ptr + (row0 + sp) * GP + gi)
+        ms = tl.load(m_ptr + (row0 + sp) * GP + gi, cache_modifier=".cg")
         sc = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
-        l_tot += tl.load(l_ptr + (row0 + sp) * GP + gi) * sc
-        acc += tl.load(acc_ptr + ((row0 + sp) * GP + gi)[:, None] * DH + d[None, :]) * sc[:, None]
+        l_tot += tl.load(l_ptr + (row0 + sp) * GP + gi, cache_modifier=".cg") * sc
+        acc += tl.load(acc_ptr + ((row0 + sp) * GP + gi)[:, None] * DH + d[None, :], cache_modifier=".cg") * sc[:, None]
     out = acc / l_tot[:, None]
     tl.store(o_ptr + t * s_ot + (hk * G + gi)[:, None] * DH + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=(gi < G)[:, None])
@@ -391,16 +408,14 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
         m = l_ = acc = o
     sk = sinks if sinks is not None else o
     assert sinks is None or (sinks.is_contiguous() and sinks.numel() == Hq)
+    sems = _split_sems(q.device, T * Hkv, "attn") if splits > 1 else o
     _attn_decode_kernel[(T, Hkv, splits)](
-        q, keys, values, pos, sk, o, m, l_, acc, T, scaling, window, chunk, _pos_stride(pos, T), q.stride(0),
+        q, keys, values, pos, sk, o, m, l_, acc, sems, T, scaling, window, chunk, _pos_stride(pos, T), q.stride(0),
         q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, HAS_SINK=sinks is not None, EAGER=eager,
         TWO_PASS=two_pass, SUB_ROUND=two_pass and sinks.dtype == q.dtype, num_warps=4,
         **_pdl_args(q.device))
-    if splits > 1:
-        _attn_merge_kernel[(T, Hkv)](o, m, l_, acc, sk, o.stride(0), splits, G=G, GP=GP, DH=Dh,
-                                     HAS_SINK=sinks is not None, num_warps=4, **_pdl_args(q.device))
     return o
 
 
@@ -408,10 +423,11 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
 # router: softmax (fp32) + top-k + optional renormalisation, one program per token
 @triton.jit(do_not_specialize=["T"])
 def _route_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False):
+                  BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -453,10 +469,11 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
 def _route_sigmoid_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scaling,
                                 K: tl.constexpr, KP: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
                                 TOPKG: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False):
+                                BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -518,10 +535,11 @@ def route_sigmoid_group(logits, choice_bias, top_k: int, n_group: int, topk_grou
 # topk_softmax router (GPT-OSS): top-k of the logits, softmax over those k (fp32, rounded once to the logits' dtype)
 @triton.jit(do_not_specialize=["T"])
 def _route_topk_softmax_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, KP: tl.constexpr,
-                               BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False):
+                               BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -555,10 +573,11 @@ def route_topk_softmax(logits, top_k: int):
 
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["T"])
-def _silu_mul_kernel(gu_ptr, h_ptr, T, I, s_gt, s_ht, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _silu_mul_kernel(gu_ptr, h_ptr, T, I, s_gt, s_ht, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -720,7 +739,8 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
@@ -765,11 +785,20 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
     zeroes the counter for the next call (and graph replay)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2) // SPLIT
     ks = tl.program_id(2) % SPLIT
+    if HAS_VALID:  # pad rows get zeros here (no kernel writes them otherwise): program 0 of each tile column
+        if (p == 0) & (ks == 0):
+            tt = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+            pad = (tt < S // K) & (tl.load(valid_ptr + tt, mask=tt < S // K, other=1) == 0)
+            nz = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            for k in tl.static_range(K):
+                tl.store(y_ptr + (tt * K + k)[:, None] * s_ys + nz[None, :],
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=pad[:, None] & (nz < D)[None, :])
     e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
     cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
     if lead & (cnt > mb * BLOCK_M):
@@ -824,16 +853,6 @@ class ExpertArgs:
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
 
 
-_SEMS: dict = {}  # (device, tiles) -> int32 zeros: the split-K tile counters, zeroed again by the kernel
-
-
-def _split_sems(device, n: int) -> torch.Tensor:
-    key = (str(device), n)
-    if key not in _SEMS:
-        _SEMS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _SEMS[key]
-
-
 def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
                 down_bias=None, tiles=None, grid: str = "auto"):
     """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles).
@@ -856,9 +875,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     bm = t.block_m
     m_blocks = triton.cdiv(T, bm)  # an expert gets at most one assignment per token
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)
-    if valid is not None:
-        y.zero_()  # pad rows are never written by the kernels
+    y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)  # pad rows: zeroed by the down kernel
     wc = w.contiguous()
     c = counters
     _moe_up_kernel[(P, m_blocks, triton.cdiv(inter, t.up_n))](
@@ -877,7 +894,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     else:
         k_chunk = inter
     part = torch.empty(split, S, D, dtype=torch.float32, device=x.device) if split > 1 else y
-    sems = _split_sems(x.device, P * m_blocks * n_blocks) if split > 1 else idx
+    sems = _split_sems(x.device, P * m_blocks * n_blocks, "moe_down") if split > 1 else idx
     _moe_down_kernel[(P, m_blocks, n_blocks * split)](
         h, idx, valid if valid is not None else idx, wc, down, down_bias if down_bias is not None else h, y, part,
         sems, S, int(by_slot), D, inter, k_chunk, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
