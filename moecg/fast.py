@@ -7,9 +7,11 @@ casts, router softmax/topk, sort/offsets for the grouped GEMM, counter updates);
 but needs 15-50 s to compile per batch size. This module instead runs the same math in a fixed sequence of
 large kernels, each with a pure-PyTorch reference (`moecg.kernels.ref`) and a Triton version:
 
-  per layer: qkv GEMM (one, with bias) | q/k norm + rotary + KV write | decode attention | o GEMM |
-             residual add + RMSNorm | router (+ shared expert gate/up + its gate) GEMM (one) | router kernel |
-             [shared SiLU-mul | shared down GEMM] | routed experts (dispatcher) | shared gate + residual + next RMSNorm
+  per layer: qkv GEMM (one, with bias) | q/k norm + rotary + KV write | decode attention (split contexts merged
+             in the kernel) | o GEMM | residual add + RMSNorm | router (+ shared expert gate/up + its gate) GEMM
+             (one) | router kernel | [shared SiLU-mul | shared down GEMM, on a second stream] | routed experts
+             (dispatcher) | shared gate + residual + next RMSNorm; a router that is its own linear (no shared
+             expert) runs residual add + RMSNorm + router GEMV + top-k as one kernel (norm_route)
   dense layers: ... | gate/up GEMM (one) | SiLU-mul | down GEMM | residual + next RMSNorm
 
 Families (FUSED_ROUTER_KINDS x FUSED_FEATURES, checked by FamilyAdapter.check_supported): Mixtral, Qwen2/3-MoE,
@@ -86,6 +88,7 @@ class _Layer:
     shared_inter: int = 0
     shared_gate_col: int | None = None
     w_sdown: torch.Tensor | None = None  # [D, Is] shared expert's (or the dense MLP's) down projection
+    norm_route: bool = False  # the router is wcat alone (softmax_topk, no bias, no shared expert): ops.norm_route
 
 
 def _concat_params(params: list[torch.nn.Parameter], align: int = 1) -> torch.Tensor:
@@ -140,6 +143,9 @@ class FastDecode:
     # before the combine: at small batches neither fills the GPU alone (the same kernels, so the same numbers).
     # The benchmarks set False to measure without it.
     overlap_shared = True
+    # A router that is its own bias-free linear (softmax_topk, power-of-two k, no shared expert beside it) runs with
+    # the residual add and norm before it as one kernel (ops.norm_route); False: add_rmsnorm, GEMM, router kernel.
+    fuse_router = True
 
     def __init__(self, model, backend: str = "auto"):
         check_supported(model)
@@ -251,6 +257,8 @@ class FastDecode:
                 L.bcat = L.wcat.new_zeros(L.wcat.shape[0])
                 L.bcat[L.r0: L.r0 + L.n_experts] = logit_bias.data
                 logit_bias.data = L.bcat[L.r0: L.r0 + L.n_experts]  # HF's router reads the same numbers
+        L.norm_route = (self.fuse_router and L.r0 == 0 and L.wcat is not None and L.bcat is None
+                        and L.router_w32 is None and spec.kind == "softmax_topk" and (L.top_k & (L.top_k - 1)) == 0)
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _side_stream(self):
@@ -336,7 +344,11 @@ class FastDecode:
             o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
                                 sinks=L.sinks, eager=self.eager_attn)  # [T, Hq*Dh]
             a = F.linear(o, L.wo, L.bo)  # [T, D]
-            res, h = ops.add_rmsnorm(a[:, None], res, L.post_w, L.post_eps, cast_last=cl)
+            if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel
+                res, h, idx, w = ops.norm_route(a, res, L.post_w, L.post_eps, L.wcat[: L.n_experts], L.top_k,
+                                                L.norm_topk, L.route_dtype, router_logit_bias(L.router), cast_last=cl)
+            else:
+                res, h = ops.add_rmsnorm(a[:, None], res, L.post_w, L.post_eps, cast_last=cl)
             nw, neps = (self.layers[i + 1].in_w, self.layers[i + 1].in_eps) if i + 1 < n else (self.norm_w,
                                                                                                self.norm_eps)
             if L.experts is None:
@@ -346,19 +358,22 @@ class FastDecode:
                     y = F.linear(ops.silu_mul(F.linear(h, L.wcat), L.shared_inter), L.w_sdown)  # [T, D]
                 res, h = ops.add_rmsnorm(y[:, None], res, nw, neps, cast_last=cl)
                 continue
-            z = F.linear(h, L.wcat, L.bcat) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
-            side = self._side_stream() if L.shared_inter else None
-            if side is not None:  # fork: the shared expert starts once z exists, the routing goes on here
-                main = torch.cuda.current_stream(self.device)
-                side.wait_stream(main)
-            if L.router_w32 is not None:
-                logits = F.linear(h.float(), L.router_w32.float())  # [T, E] fp32, as HF's router
+            if not L.norm_route:
+                z = F.linear(h, L.wcat, L.bcat) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
+                side = self._side_stream() if L.shared_inter else None
+                if side is not None:  # fork: the shared expert starts once z exists, the routing goes on here
+                    main = torch.cuda.current_stream(self.device)
+                    side.wait_stream(main)
+                if L.router_w32 is not None:
+                    logits = F.linear(h.float(), L.router_w32.float())  # [T, E] fp32, as HF's router
+                else:
+                    logits = z[:, L.r0: L.r0 + L.n_experts]  # [T, E]
+                bias = router_logit_bias(L.router)  # router skew acts here as in HF's (skewed) router forward
+                if bias is not None:
+                    logits = logits + bias.to(logits.dtype)  # [T, E]
+                idx, w = self._route(L, logits)  # [T, K], [T, K]
             else:
-                logits = z[:, L.r0: L.r0 + L.n_experts]  # [T, E]
-            bias = router_logit_bias(L.router)  # router skew acts here as in HF's (skewed) router forward
-            if bias is not None:
-                logits = logits + bias.to(logits.dtype)  # [T, E]
-            idx, w = self._route(L, logits)  # [T, K], [T, K]
+                side = None
             shared = gate = None
             if L.shared_inter:
                 with torch.cuda.stream(side) if side is not None else _nullctx():

@@ -219,7 +219,7 @@ def test_kernels_compile_for_hopper():
     types = dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", keep_ptr="*i8", slot_ptr="*i32", nk_ptr="*i32",
                  cnt_ptr="*i64", drop_ptr="*i64", mass_ptr="*fp32", dmass_ptr="*fp32", cap_ptr="*i64",
                  calls_ptr="*i64", tok_ptr="*i64", lost_ptr="*i64", alpha="fp32", limit="fp32", cf_bits="i64",
-                 part_ptr="*fp32", sem_ptr="*i32", tw_ptr="*bf16", eps="fp32", res_ptr="*bf16", sg_ptr="*bf16")
+                 part_ptr="*fp32", sem_ptr="*i32", lg_ptr="*fp32", tw_ptr="*bf16", eps="fp32", res_ptr="*bf16", sg_ptr="*bf16")
 
     def build(fn, consts, stages=4):
         sig = {n: "constexpr" if n in consts else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
@@ -247,5 +247,7 @@ def test_kernels_compile_for_hopper():
         for split in (1, 4):  # split-K: the partial stores, the tile counter's atomic and the in-order fix-up
             build(tri._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=split == 1, SPLIT=split, BLOCK_M=16,
                                              BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=pdl))
+    build(tri._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=True, CAST_LAST=False, BLOCK_K=256, BLOCK_E=8,
+                                       BLOCK_EP=128, USE_PDL=2))
     build(tri._add_rmsnorm_kernel, dict(KK=4, HAS_RES=True, HAS_SHARED=True, HAS_SGATE=True, HAS_VALID=False,
                                         CAST_LAST=False, BLOCK_D=2048, USE_PDL=2))

@@ -61,6 +61,16 @@ for norm in (True, False):
     i2, w2 = tri.route(logits, K, norm, torch.float32)
     assert torch.equal(i1, i2)
     close(w1, w2)
+# residual + norm + router GEMV + top-k in one kernel, against the composition of the references
+for En, kw in ((8, {}), (12, {"logit_bias": torch.randn(12)}), (64, {"cast_last": True})):
+    a_, r_, nw_, rw_ = torch.randn(T, D), torch.randn(T, D), torch.randn(D), torch.randn(En, D) / 8
+    for norm in (True, False):
+        got, want = tri.norm_route(a_, r_, nw_, 1e-6, rw_, K, norm, torch.float32, **kw), \
+            ref.norm_route(a_, r_, nw_, 1e-6, rw_, K, norm, torch.float32, **kw)
+        close(got[0], want[0])
+        close(got[1], want[1])
+        assert torch.equal(got[2], want[2])
+        close(got[3], want[3])
 gu = torch.randn(T, 2 * inter + 3)
 close(ref.silu_mul(gu, inter), tri.silu_mul(gu, inter))
 
@@ -94,16 +104,19 @@ for Tm in (1, 3, 20):  # 20 tokens: two row blocks per expert
 assert all(int(s.abs().sum()) == 0 for s in tri._SEMS.values())  # every split tile's counter zeroed again
 
 # a whole model: fused decode with the Triton ops == with the torch ops (fp32), incl. the fused dispatcher
-model = build_model("qwen2_moe_tiny", dtype="fp32", device="cpu", seed=0).model
-prompts = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
-runs = []
-for backend in ("torch", "triton"):
-    attach(model, make_dispatcher("fused", kernels=backend), max_rows=4)
-    eng = DecodeEngine(model, 32, 4)
-    eng.decode_forward = FastDecode(model, backend)
-    runs.append((eng.generate(prompts, 6, keep_logits=True, timing=False), state_of(model).snapshot()))
-    detach(model)
-assert torch.equal(runs[0][0].tokens, runs[1][0].tokens)
-close(torch.stack(runs[0][0].logits), torch.stack(runs[1][0].logits), 1e-4)
-assert runs[0][1]["routed"] == runs[1][1]["routed"]
+# (qwen2_moe_tiny: a shared expert beside the router; qwen3_moe_tiny: the router alone, so norm_route runs)
+for preset in ("qwen2_moe_tiny", "qwen3_moe_tiny"):
+    model = build_model(preset, dtype="fp32", device="cpu", seed=0).model
+    prompts = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for backend in ("torch", "triton"):
+        attach(model, make_dispatcher("fused", kernels=backend), max_rows=4)
+        eng = DecodeEngine(model, 32, 4)
+        eng.decode_forward = FastDecode(model, backend)
+        assert any(L.norm_route for L in eng.decode_forward.layers) == (preset == "qwen3_moe_tiny")
+        runs.append((eng.generate(prompts, 6, keep_logits=True, timing=False), state_of(model).snapshot()))
+        detach(model)
+    assert torch.equal(runs[0][0].tokens, runs[1][0].tokens)
+    close(torch.stack(runs[0][0].logits), torch.stack(runs[1][0].logits), 1e-4)
+    assert runs[0][1]["routed"] == runs[1][1]["routed"]
 print("ALL OK")

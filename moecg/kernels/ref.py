@@ -148,6 +148,19 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
     return idx, w.to(out_dtype)
 
 
+def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize: bool, out_dtype, logit_bias=None,
+               cast_last: bool = False):
+    """a [T, D] (the attention output), residual [T, D] -> (new residual, normed [T, D], idx [T, K], weights [T, K]):
+    add_rmsnorm, the router linear (router_w [E, D], no bias; output in the model dtype), + logit_bias [E] (moecg's
+    router skew, in the logits' dtype), softmax_topk."""
+    res, h = add_rmsnorm(a[:, None], residual, weight, eps, cast_last=cast_last)
+    logits = torch.nn.functional.linear(h, router_w)
+    if logit_bias is not None:
+        logits = logits + logit_bias.to(logits.dtype)
+    idx, w = route(logits, top_k, normalize, out_dtype)
+    return res, h, idx, w
+
+
 def route_sigmoid_group(logits, choice_bias, top_k: int, n_group: int, topk_group: int, normalize: bool,
                         scaling: float):
     """sigmoid_group (DeepSeek-V3, GLM-4-MoE): fp32 logits [T, E] -> (idx [T, K] int64, weights [T, K] fp32).

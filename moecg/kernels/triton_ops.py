@@ -62,9 +62,11 @@ def _split_sems(device, n: int, kind: str) -> torch.Tensor:
     return _SEMS[key]
 
 
-def _pdl_args(device) -> dict:
-    """The launch arguments of a PDL-aware kernel: its USE_PDL mode and, when on, Triton's launch option."""
+def _pdl_args(device, trigger: bool = True) -> dict:
+    """The launch arguments of a PDL-aware kernel: its USE_PDL mode and, when on, Triton's launch option.
+    trigger False: at most mode 1 (the kernel's successor launches only as its blocks exit)."""
     mode = pdl_mode(device)
+    mode = min(mode, 1) if not trigger else mode
     return {"USE_PDL": mode, **({"launch_pdl": True} if mode else {})}
 
 
@@ -421,17 +423,10 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
 
 # ------------------------------------------------------------------------------------------------------------
 # router: softmax (fp32) + top-k + optional renormalisation, one program per token
-@triton.jit(do_not_specialize=["T"])
-def _route_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
-    t = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    em = e < E
-    x = tl.load(lg_ptr + t * s_lt + e, mask=em, other=float("-inf")).to(tl.float32)
+@triton.jit
+def _softmax_topk(x, e, em, K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """softmax_topk of one row of logits x [BLOCK_E] (fp32; lanes past E masked by em) -> (ids [K], weights [K])."""
+    x = tl.where(em, x, float("-inf"))
     x = x - tl.max(x, axis=0)
     p = tl.exp(x)
     p = p / tl.sum(p, axis=0)
@@ -447,6 +442,22 @@ def _route_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, NORM: tl.
         p = tl.where(e == i, -2.0, p)
     if NORM:
         vals = vals / tl.sum(vals, axis=0)
+    return ids, vals
+
+
+@triton.jit(do_not_specialize=["T"])
+def _route_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, NORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if USE_PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    x = tl.load(lg_ptr + t * s_lt + e, mask=em, other=float("-inf")).to(tl.float32)
+    ids, vals = _softmax_topk(x, e, em, K, NORM, BLOCK_E)
+    kk = tl.arange(0, K)
     tl.store(idx_ptr + t * K + kk, ids)
     tl.store(w_ptr + t * K + kk, vals.to(w_ptr.dtype.element_ty))
 
@@ -460,6 +471,91 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
                         num_warps=1,
         **_pdl_args(logits.device))
     return idx, w
+
+
+# residual add + RMSNorm + router GEMV + softmax_topk in one kernel (a layer whose router is its own linear: Mixtral,
+# Qwen3-MoE, OLMoE). Grid (row, block of experts): every program recomputes the row's norm (two passes over D: the
+# statistics, then the normed chunks against its experts' weight rows, rounded to the model dtype as the router
+# linear's output); program 0 of the row writes the new residual and the normed row; the row's last program to
+# finish (an arrival counter) runs the softmax/top-k over the row's logits, as the router kernel does.
+@triton.jit(do_not_specialize=["T"])
+def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, out_res_ptr, out_ptr, idx_ptr,
+                       w_ptr, T, D, E, eps, s_at, s_rt, s_rwe, s_ort, s_ot, K: tl.constexpr, NORM: tl.constexpr,
+                       HAS_SKEW: tl.constexpr, CAST_LAST: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_EP: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if USE_PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    dt = out_ptr.dtype.element_ty
+    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):  # pass 1: the new residual's statistics (it is (res + round(a)), rounded)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < D
+        a = tl.load(a_ptr + t * s_at + kk, mask=km, other=0.0).to(tl.float32).to(dt).to(tl.float32)
+        r = tl.load(res_ptr + t * s_rt + kk, mask=km, other=0.0).to(tl.float32)
+        out = (r + a).to(dt).to(tl.float32)
+        ss += out * out
+    rstd = tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
+    e = nb * BLOCK_E + tl.arange(0, BLOCK_E)
+    em = e < E
+    lg = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):  # pass 2: the normed row, chunk by chunk, against this block's router rows
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < D
+        a = tl.load(a_ptr + t * s_at + kk, mask=km, other=0.0).to(tl.float32).to(dt).to(tl.float32)
+        r = tl.load(res_ptr + t * s_rt + kk, mask=km, other=0.0).to(tl.float32)
+        out = (r + a).to(dt).to(tl.float32)
+        yn = out * rstd
+        if not CAST_LAST:
+            yn = yn.to(dt).to(tl.float32)
+        h = (tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32) * yn).to(dt)
+        if nb == 0:
+            tl.store(out_res_ptr + t * s_ort + kk, out.to(dt), mask=km)
+            tl.store(out_ptr + t * s_ot + kk, h, mask=km)
+        wr = tl.load(rw_ptr + e[:, None] * s_rwe + kk[None, :], mask=em[:, None] & km[None, :], other=0.0)
+        lg += tl.sum(wr.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+    lg = lg.to(dt).to(tl.float32)  # the router linear's output dtype
+    if HAS_SKEW:
+        lg = (lg + tl.load(sb_ptr + e, mask=em, other=0.0).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(lg_ptr + t * E + e, lg, mask=em)
+    tl.debug_barrier()
+    done = tl.atomic_add(sem_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(1) - 1:  # the row's other logits are visible (acquire)
+        ea = tl.arange(0, BLOCK_EP)
+        eam = ea < E
+        x = tl.load(lg_ptr + t * E + ea, mask=eam, other=float("-inf"), cache_modifier=".cg")
+        ids, vals = _softmax_topk(x, ea, eam, K, NORM, BLOCK_EP)
+        kk2 = tl.arange(0, K)
+        tl.store(idx_ptr + t * K + kk2, ids)
+        tl.store(w_ptr + t * K + kk2, vals.to(w_ptr.dtype.element_ty))
+        tl.store(sem_ptr + t, 0)  # zero again for the next call (and graph replay)
+
+
+def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize: bool, out_dtype, logit_bias=None,
+               cast_last: bool = False):
+    T, D = a.shape
+    E = router_w.shape[0]
+    assert a.stride(1) == 1 and residual.stride(1) == 1 and router_w.stride(1) == 1 and weight.is_contiguous()
+    assert top_k & (top_k - 1) == 0, "top_k must be a power of two for the Triton router"
+    assert logit_bias is None or logit_bias.is_contiguous()
+    dt = residual.dtype
+    new_res = torch.empty(T, D, dtype=dt, device=a.device)
+    normed = torch.empty(T, D, dtype=dt, device=a.device)
+    lg = torch.empty(T, E, dtype=torch.float32, device=a.device)
+    idx = torch.empty(T, top_k, dtype=torch.int64, device=a.device)
+    w = torch.empty(T, top_k, dtype=out_dtype, device=a.device)
+    be = max(2, _p2(E) // 16)  # ~16 programs per row
+    nb = triton.cdiv(E, be)
+    sems = _split_sems(a.device, T, "norm_route")
+    _norm_route_kernel[(T, nb)](
+        a, residual, weight, router_w, logit_bias if logit_bias is not None else lg, lg, sems, new_res, normed, idx, w,
+        T, D, E, eps, a.stride(0), residual.stride(0), router_w.stride(0), new_res.stride(0), normed.stride(0),
+        K=top_k, NORM=normalize, HAS_SKEW=logit_bias is not None, CAST_LAST=cast_last, BLOCK_K=256, BLOCK_E=be,
+        BLOCK_EP=_p2(E), num_warps=4, **_pdl_args(a.device))
+    return new_res, normed, idx, w
 
 
 # sigmoid_group router (DeepSeek-V3, GLM-4-MoE): sigmoid, biased group-limited choice, unbiased weights, one
@@ -886,7 +982,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=a.jm, JU=a.ju,
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=t.up_k, BLOCK_S=64, num_warps=t.warps, num_stages=t.stages,
-        **_pdl_args(x.device))
+        **_pdl_args(x.device, t.pdl_trigger))
     n_blocks = triton.cdiv(D, t.down_n)
     if split > 1:
         k_chunk = triton.cdiv(triton.cdiv(inter, split), t.down_k) * t.down_k
@@ -900,5 +996,5 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         sems, S, int(by_slot), D, inter, k_chunk, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
         HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=t.down_k, BLOCK_S=64,
-        num_warps=t.warps, num_stages=t.stages, **_pdl_args(x.device))
+        num_warps=t.warps, num_stages=t.stages, **_pdl_args(x.device, t.pdl_trigger))
     return y
