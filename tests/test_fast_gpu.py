@@ -99,8 +99,8 @@ def test_moe_kernel_matches_reference_and_counts(shape, T):
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_norm_route_matches_reference(shape, T):
     """residual + norm + router GEMV + top-k in one kernel against add_rmsnorm, F.linear and the router reference:
-    residual bit-equal, normed row close, logits' top-k ids equal on all but near-tie rows, weights close; twice the
-    same bits; the arrival counters back at zero."""
+    residual bit-equal, normed row close, the chosen experts equal on all but near-tie rows, weights close; twice
+    the same bits; the arrival counters back at zero."""
     E, K, D = shape
     g = torch.Generator(device="cuda").manual_seed(T)
     r = lambda *sh: torch.randn(*sh, device="cuda", generator=g).to(BF)  # noqa: E731
@@ -110,8 +110,13 @@ def test_norm_route_matches_reference(shape, T):
         got = tri.norm_route(a, res, nw, 1e-6, rw, K, True, BF, logit_bias=bias)
         assert torch.equal(got[0], want[0])  # the residual add: elementwise, the same roundings
         _close(got[1], want[1], 1e-2, 1e-2)  # the norm's statistics are summed in another order
+        # the GEMV sums in another order than cuBLAS: a logit may move by one bf16 ulp, which reorders (near-)tied
+        # experts within a row's top k (seen at T=64: 81-89% of rows in the same order) and rarely swaps the k-th;
+        # the chosen sets must agree on 90% of the rows and their weights wherever the order agrees
+        ids_g, ids_w = got[2].sort(-1).values, want[2].sort(-1).values
+        assert float((ids_g == ids_w).all(-1).float().mean()) >= 0.9
         same = (got[2] == want[2]).all(-1)
-        assert float(same.float().mean()) >= 0.9, float(same.float().mean())  # the GEMV's sums may differ by an ulp
+        assert float(same.float().mean()) >= 0.75, float(same.float().mean())
         _close(got[3][same], want[3][same], 1e-2, 1e-2)
         again = tri.norm_route(a, res, nw, 1e-6, rw, K, True, BF, logit_bias=bias)
         assert all(torch.equal(x, y) for x, y in zip(got, again))
