@@ -70,6 +70,16 @@ def _pdl_args(device, trigger: bool = True) -> dict:
     return {"USE_PDL": mode, **({"launch_pdl": True} if mode else {})}
 
 
+@triton.jit
+def _pdl_enter(MODE: tl.constexpr):
+    """A PDL-launched kernel's first statement (modes as PDL's): wait for the predecessor's completion and memory,
+    then (mode 2) let the successor launch."""
+    if MODE:
+        tl.extra.cuda.gdc_wait()
+        if MODE == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
 # ------------------------------------------------------------------------------------------------------------
 # residual add (+ routed partial sums, + gated shared expert) + RMSNorm
 @triton.jit(do_not_specialize=["T"])
@@ -78,10 +88,7 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
                         KK: tl.constexpr, HAS_RES: tl.constexpr, HAS_SHARED: tl.constexpr,
                         HAS_SGATE: tl.constexpr, HAS_VALID: tl.constexpr, CAST_LAST: tl.constexpr,
                         BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    _pdl_enter(USE_PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
@@ -145,10 +152,7 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, q_ptr, 
                        HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, R: tl.constexpr,
                        HAS_QKN: tl.constexpr, NORM_FULL: tl.constexpr, HAS_CLIP: tl.constexpr,
                        USE_PDL: tl.constexpr = 0):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    _pdl_enter(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): q heads, [HQ, HQ+HKV): k heads, then v heads
     d = tl.arange(0, DH)
@@ -256,10 +260,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                         G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BLOCK_L: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, EAGER: tl.constexpr,
                         TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    _pdl_enter(USE_PDL)
     t = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -448,10 +449,7 @@ def _softmax_topk(x, e, em, K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.con
 @triton.jit(do_not_specialize=["T"])
 def _route_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, NORM: tl.constexpr,
                   BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    _pdl_enter(USE_PDL)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -485,10 +483,7 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
                        w_ptr, T, D, E, eps, s_at, s_rt, s_rwe, s_ort, s_ot, K: tl.constexpr, NORM: tl.constexpr,
                        HAS_SKEW: tl.constexpr, CAST_LAST: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_EP: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    _pdl_enter(USE_PDL)
     t = tl.program_id(0)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -558,10 +553,7 @@ def _route_sigmoid_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scali
                                 K: tl.constexpr, KP: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
                                 TOPKG: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    _pdl_enter(USE_PDL)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -624,10 +616,7 @@ def route_sigmoid_group(logits, choice_bias, top_k: int, n_group: int, topk_grou
 @triton.jit(do_not_specialize=["T"])
 def _route_topk_softmax_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, KP: tl.constexpr,
                                BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    _pdl_enter(USE_PDL)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -662,10 +651,7 @@ def route_topk_softmax(logits, top_k: int):
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["T"])
 def _silu_mul_kernel(gu_ptr, h_ptr, T, I, s_gt, s_ht, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    _pdl_enter(USE_PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -825,10 +811,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                    USE_PDL: tl.constexpr):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    _pdl_enter(USE_PDL)
     p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
@@ -871,10 +854,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
     tile's SPLIT programs stores its fp32 partial sum, and the last to finish (a per-tile counter) adds the
     partials in split order, so the result is deterministic and rounded once, as without splits; it then
     zeroes the counter for the next call (and graph replay)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    _pdl_enter(USE_PDL)
     p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2) // SPLIT
