@@ -376,14 +376,14 @@ LONG_SPAN = 4096  # slots above which attn_splits aims at more programs (long co
 def attn_splits(T: int, Hkv: int, span: int) -> int:
     """How many programs share one (row, kv head)'s context: enough programs to keep the SMs busy when rows x kv
     heads are few, at least 64 slots each. Up to LONG_SPAN slots: ~128 programs, at most 16 splits (the choice
-    every short-context table was measured with). Longer: ~256 programs (~512 for a single row), at most 128
-    splits. From experiments/bench_attn_splits.py on the H200 (experiments/results/h200/issue14_capacity/
-    attn_splits.md; 32k slots at position 30000, T 1 and 8, 4-16 kv heads, one uncaptured call per timing): ~256
-    programs is the best split count or within 2% of it at T = 8; at T = 1, 512 programs is within 2% of the best
-    on all three shapes, where 256 was 1.25x the best with Qwen3-30B-A3B's 4 kv heads (64 splits 0.116 ms, 128
-    splits 0.092). Timed in the captured step by experiments/h200_issue14_final_c.sh."""
+    every short-context table was measured with). Longer: ~256 programs, at most 128 splits. Chosen from
+    experiments/bench_attn_splits.py on the H200 (experiments/results/h200/issue14_capacity/attn_splits.md; 32k
+    slots at position 30000, T 1 and 8, 4-16 kv heads, one uncaptured call per timing): the best split count or
+    within 2% of it in five of the six cases, where the short rule was 1.00-1.23x slower; Qwen3-30B-A3B at T=1
+    (4 kv heads) 0.116 ms against the best 0.092 (128 splits) and the short rule's 0.129. Not yet timed inside a
+    whole captured step."""
     if span > LONG_SPAN:
-        return max(1, min((512 if T == 1 else 256) // max(1, T * Hkv), span // 64, 128))
+        return max(1, min(256 // max(1, T * Hkv), span // 64, 128))
     return max(1, min(128 // max(1, T * Hkv), span // 64, 16))
 
 
