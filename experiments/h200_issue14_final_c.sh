@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 14 on one H200, final round C: the long-context split rule for single rows (~512 programs) in the captured
-# step: the split-attention GPU test, then 32k-slot / 30k-prompt decode at bs 1 on Qwen3 (12 layers) and Mixtral (8).
+# step (measured at dca50e9, then reverted: slower, see attn_splits): the split-attention GPU test, then 32k-slot / 30k-prompt decode at bs 1 on Qwen3 (12 layers) and Mixtral (8).
 #   MOECG_GIT_SHA=<sha> bash experiments/h200_issue14_final_c.sh OUTDIR
 set -u -o pipefail
 OUT=${1:-experiments/results/h200/issue14_final}

@@ -380,8 +380,10 @@ def attn_splits(T: int, Hkv: int, span: int) -> int:
     experiments/bench_attn_splits.py on the H200 (experiments/results/h200/issue14_capacity/attn_splits.md; 32k
     slots at position 30000, T 1 and 8, 4-16 kv heads, one uncaptured call per timing): the best split count or
     within 2% of it in five of the six cases, where the short rule was 1.00-1.23x slower; Qwen3-30B-A3B at T=1
-    (4 kv heads) 0.116 ms against the best 0.092 (128 splits) and the short rule's 0.129. Not yet timed inside a
-    whole captured step."""
+    (4 kv heads) 0.116 ms against the best 0.092 (128 splits) and the short rule's 0.129. Inside the captured step
+    that does not hold: aiming a single row at ~512 programs (128 splits there) made the 30k-token step slower,
+    1.32 -> 1.55 ms on Qwen3-30B-A3B (12 layers) and 2.13 -> 2.25 ms on Mixtral (8 layers) (commit dca50e9,
+    experiments/results/h200/issue14_final/long_*_bs1.md), so the rule stays at ~256."""
     if span > LONG_SPAN:
         return max(1, min(256 // max(1, T * Hkv), span // 64, 128))
     return max(1, min(128 // max(1, T * Hkv), span // 64, 16))
