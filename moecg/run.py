@@ -53,7 +53,7 @@ def main(cfg: DictConfig) -> None:
     # under torchrun (parallel.ep > 1) this process is one rank: rank 0 writes, the first rank that fails ends the job
     job = RankJob.from_env(_job_dir(cfg))
     job.out_dir.mkdir(parents=True, exist_ok=True)
-    logger = make_logger(cfg, job.out_dir) if job.leads else NullLogger()
+    logger = NullLogger()  # the real one is made once there are results: a refused or failed run leaves no wandb run
     failed = None
     try:
         if job.world > 1 and _is_multirun():
@@ -69,6 +69,7 @@ def main(cfg: DictConfig) -> None:
             res["status"] = "ok"
             res["config"] = OmegaConf.to_container(cfg, resolve=True)
             results_path.write_text(json.dumps(res, indent=2, default=str))
+            logger = make_logger(cfg, job.out_dir)
             logger.log_results(res)
             print_summary(res)
             print(f"results: {results_path}")

@@ -119,6 +119,18 @@ def test_wandb_logger_writes_offline_run_and_results(tmp_path):
     assert len(analysis.load_results(job)) == 1  # the wandb dir's JSON files are not read as results
 
 
+def test_refused_run_leaves_no_wandb_run(tmp_path):
+    """The wandb logger is made only once a run has results: a run the plan refuses writes its failed results.json
+    and no offline wandb run (it used to leave one behind, made before the plan was checked)."""
+    job = tmp_path / "job"
+    p = moecg_run(tmp_path, "logger=wandb", "strategy=full", "dispatch=dynamic", *FAST, f"hydra.run.dir={job}",
+                  env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb_dir"), "WANDB_SILENT": "true"},
+                  ok=False)
+    assert p.returncode == 1 and "not graph-safe" in p.stderr
+    assert json.loads((job / "results.json").read_text())["status"] == "failed"
+    assert not list(tmp_path.glob("**/offline-run-*")) and not list(tmp_path.glob("**/wandb/"))
+
+
 @pytest.mark.slow
 def test_single_run_qwen2_moe_tiny(tmp_path):
     moecg_run(tmp_path, "model=qwen2_moe_tiny", "batch_size=4", "new_tokens=16", f"hydra.run.dir={tmp_path / 'x'}")
