@@ -152,6 +152,7 @@ def _identity(plan: RunPlan, built, state, stats: dict, group: EPGroup) -> dict:
         "model": built.name, "family": built.family, "num_layers": len(built.adapter.layers(model)),
         "num_experts": state.num_experts, "top_k": built.adapter.top_k(model.config),
         "dtype": str(built.dtype).replace("torch.", ""), "device": built.device.type,
+        "attn_implementation": model.config._attn_implementation,
         "strategy": plan.strategy.name, "strategy_layers": plan.strategy_layers,
         "dispatch": d["dispatch"], "capacity_factor": d["capacity_factor"], "drop_policy": d["drop_policy"],
         "prefill_dispatch": plan.prefill_dispatcher.name if plan.prefill_dispatcher else d["dispatch"],

@@ -40,6 +40,8 @@ FIELDS: tuple[Field, ...] = (
     _f("num_experts", "what", "routed experts per MoE layer"),
     _f("top_k", "what", "experts per token"),
     _f("dtype", "what", "weights and activations"),
+    _f("attn_implementation", "what", "the attention HF's modules ran (model.attn_implementation, or eager where the "
+       "family has no sdpa path: GPT-OSS's sinks)"),
     _f("device", "what", "cpu | cuda"),
     # how
     _f("strategy", "how", "eager | partial | layer | full | capacity | mixed", _S, _A, _X),

@@ -235,3 +235,14 @@ def test_record_has_the_chunk():
     assert list(res) == list(schema.NAMES)
     assert res["prefill_chunk"] == 3 and res["status"] == "ok" and res["captured"]
     assert res["token_agreement_vs_eager"] == 1.0  # the reference prefills in the same chunks
+
+
+def test_record_names_the_attention_that_ran():
+    """model.attn_implementation=sdpa is what moecg asks for; GPT-OSS (no sdpa path for its sinks) runs eager, and
+    the record says eager (it used to say nothing, while the config it carries said sdpa)."""
+    from moecg.harness import run_experiment
+
+    base = ("prompt_len=6", "new_tokens=3", "measure.repeats=1", "measure.skip_steps=0", "measure.fidelity=false",
+            "measure.eager_baseline=false")
+    assert run_experiment(_cfg(*base))["attn_implementation"] == "sdpa"
+    assert run_experiment(_cfg("model=gpt_oss_tiny", *base))["attn_implementation"] == "eager"

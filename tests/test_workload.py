@@ -162,8 +162,9 @@ def test_fixed_workload_results_unchanged(case):
     assert res["workload"] == "fixed" and all(res[f] is None for f in schema.SERVING)
     new = set(schema.NAMES) - set(want) - set(golden["volatile"])
     ep_fields = {"ep", "ep_backend", "exchange_floor_ms", "nvlink_bandwidth_gbps"}  # expert parallelism (issue 15)
-    assert new == {"workload", *schema.SERVING, *ep_fields, "prefill_chunk"}, \
-        "a field was added outside the serving and EP groups and prefill_chunk (issue 14)"
+    assert new == {"workload", *schema.SERVING, *ep_fields, "prefill_chunk", "attn_implementation"}, \
+        "a field was added outside the serving and EP groups, prefill_chunk and attn_implementation (issue 14)"
+    assert res["attn_implementation"] == "sdpa"
     assert res["ep"] == 1 and all(res[f] is None for f in ep_fields - {"ep"})  # one process: today's path
     assert res["prefill_chunk"] is None  # one prefill forward: today's path
     for f, v in want.items():
