@@ -32,12 +32,6 @@ COUNTS = ("routed", "dropped", "tokens", "lost_all", "capacity", "calls")
 MASSES = ("routed_mass", "dropped_mass")
 
 
-def counters(E):
-    z = lambda dt=torch.int64: torch.zeros(E, dtype=dt)  # noqa: E731
-    s = lambda: torch.zeros((), dtype=torch.int64)  # noqa: E731
-    return LayerCounters(z(), z(), z(torch.float32), z(torch.float32), s(), s(), s(), s())
-
-
 def same(c1, c2, y1, y2, tol=1e-5):
     """Two calls agree: the same counters, the same zero (dropped or pad) assignments, outputs within tol."""
     for f in COUNTS:
@@ -83,7 +77,7 @@ def check_ops():
         w[1], idx[1] = w[0], idx[0]  # an exact tie: the earlier token must win it
         valid = None if nv is None else torch.arange(T) < nv
         kw = dict(capacity_factor=cf, drop_policy=pol, renormalize=ren, min_capacity=mc, **extra)
-        c1, c2 = counters(E), counters(E)
+        c1, c2 = LayerCounters.zeros(E, capacity=True), LayerCounters.zeros(E, capacity=True)
         want = ref.capacity_experts(x, idx, w, gu, dn, valid, c1, **kw)
         got = cap.capacity_experts(x, idx, w, gu, dn, valid, c2, **kw)
         same(c1, c2, want, got)
@@ -107,7 +101,7 @@ def check_ops():
     valid = torch.arange(T) < 5
     x = torch.randn(T, D, generator=g)
     for pol in ("probs", "position"):
-        c = counters(E)
+        c = LayerCounters.zeros(E, capacity=True)
         y = cap.capacity_experts(x, idx, w, plain[0][:E], plain[1][:E], valid, c, capacity_factor=1.6,
                                  drop_policy=pol)
         C = capacity(5, K, E, 1.6)  # of the 5 real tokens: 2

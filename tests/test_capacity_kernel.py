@@ -28,12 +28,6 @@ HAS_TRITON = subprocess.run([sys.executable, "-c", "import triton"], capture_out
 COUNTS = ("routed", "dropped", "tokens", "lost_all", "capacity", "calls")
 
 
-def _counters(E):
-    z = lambda dt=torch.int64: torch.zeros(E, dtype=dt)  # noqa: E731
-    s = lambda: torch.zeros((), dtype=torch.int64)  # noqa: E731
-    return LayerCounters(z(), z(), z(torch.float32), z(torch.float32), s(), s(), s(), s())
-
-
 def _experts(preset):
     b = build_model(preset, dtype="fp32", device="cpu", seed=0)
     layer = next(lay for lay in b.adapter.layers(b.model) if b.adapter.moe_block(lay) is not None)
@@ -79,7 +73,7 @@ def test_reference_equals_the_padded_path(preset, cf, policy, renorm, n_valid):
     idx, w = _routing(T, E, K, seed=3)
     valid = None if n_valid is None else torch.arange(T) < n_valid
     kw = dict(capacity_factor=cf, drop_policy=policy, renormalize=renorm)
-    c1, c2 = _counters(E), _counters(E)
+    c1, c2 = LayerCounters.zeros(E, capacity=True), LayerCounters.zeros(E, capacity=True)
     with torch.no_grad():
         want = Capacity(kernels="torch", **kw).unreduced(experts, x, idx, w, valid, c1)
         got = _ref(experts, spec, x, idx, w, valid, c2, **kw)
@@ -99,7 +93,7 @@ def test_huge_factor_is_dropless_and_forward_is_the_unreduced_sum():
     x = torch.randn(T, 64, generator=torch.Generator().manual_seed(4))
     idx, w = _routing(T, E, K, seed=5)
     valid = torch.arange(T) < 8
-    c = _counters(E)
+    c = LayerCounters.zeros(E, capacity=True)
     with torch.no_grad():
         got = _ref(experts, spec, x, idx, w, valid, c, capacity_factor=1e3)
         dropless = make_dispatcher("dropless").unreduced(experts, x, idx, w, valid, None)

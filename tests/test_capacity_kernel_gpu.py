@@ -24,12 +24,6 @@ SHAPES = {"qwen1.5": (60, 4, 2048, 1408), "mixtral": (8, 2, 4096, 14336), "qwen3
 COUNTS = ("routed", "dropped", "tokens", "lost_all", "capacity", "calls")
 
 
-def _counters(E):
-    z = lambda dt=torch.int64: torch.zeros(E, dtype=dt, device="cuda")  # noqa: E731
-    s = lambda: torch.zeros((), dtype=torch.int64, device="cuda")  # noqa: E731
-    return LayerCounters(z(), z(), z(torch.float32), z(torch.float32), s(), s(), s(), s())
-
-
 def _same_counters(c1, c2):
     for f in COUNTS:
         assert torch.equal(getattr(c1, f), getattr(c2, f)), (f, getattr(c1, f), getattr(c2, f))
@@ -65,7 +59,7 @@ def test_capacity_kernel_matches_reference(shape, T, n_valid, cf, policy, renorm
     x, idx, w = _inputs(T, E, K, D, seed=T)
     valid = None if n_valid is None else torch.arange(T, device="cuda") < n_valid
     kw = dict(capacity_factor=cf, drop_policy=policy, renormalize=renorm)
-    c1, c2 = _counters(E), _counters(E)
+    c1, c2 = LayerCounters.zeros(E, "cuda", capacity=True), LayerCounters.zeros(E, "cuda", capacity=True)
     want = ref.capacity_experts(x, idx, w, gate_up, down, valid, c1, **kw)
     got = cap.capacity_experts(x, idx, w, gate_up, down, valid, c2, **kw)
     _same_counters(c1, c2)
@@ -92,7 +86,7 @@ def test_device_capacity_for_every_real_count(name):
     x, idx, w = _inputs(64, E, K, D, seed=1)
     for cf in (0.1, 1.0, 1.1, 1.25, 2.0, 3.3):
         for n in range(1, 65):
-            c = _counters(E)
+            c = LayerCounters.zeros(E, "cuda", capacity=True)
             cap.capacity_experts(x, idx, w, gate_up, down, torch.arange(64, device="cuda") < n, c, capacity_factor=cf)
             assert int(c.capacity) == capacity(n, K, E, cf), (name, cf, n)
             assert int(c.routed.sum()) == n * K and int(c.tokens) == n
@@ -109,7 +103,7 @@ def test_captured_once_right_for_every_row_count(name):
     down = (torch.randn(E, D, inter, device="cuda", generator=g) / inter ** 0.5).to(BF)
     x, idx, w = _inputs(8, E, K, D, seed=4)
     valid = torch.ones(8, dtype=torch.bool, device="cuda")
-    c = _counters(E)
+    c = LayerCounters.zeros(E, "cuda", capacity=True)
     kw = dict(capacity_factor=1.0, drop_policy="probs")
 
     def fn():
@@ -134,7 +128,7 @@ def test_captured_once_right_for_every_row_count(name):
         for t in (c.routed, c.dropped, c.routed_mass, c.dropped_mass, c.tokens, c.lost_all, c.capacity, c.calls):
             t.zero_()
         graph.replay()
-        c_ref = _counters(E)
+        c_ref = LayerCounters.zeros(E, "cuda", capacity=True)
         want = ref.capacity_experts(x, idx, w, gate_up, down, valid, c_ref, **kw)
         _same_counters(c_ref, c)
         torch.testing.assert_close(out, want, rtol=2e-2, atol=5e-3)

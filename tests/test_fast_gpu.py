@@ -27,12 +27,6 @@ def _close(a, b, rtol=2e-2, atol=2e-2):
     torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol)
 
 
-def _counters(E):
-    z = lambda dt=torch.int64: torch.zeros(E, dtype=dt, device="cuda")  # noqa: E731
-    return LayerCounters(z(), z(), z(torch.float32), z(torch.float32), torch.zeros((), dtype=torch.int64,
-                         device="cuda"), torch.zeros((), dtype=torch.int64, device="cuda"))
-
-
 @pytest.mark.parametrize("T", [1, 3, 8, 64])
 def test_norm_rope_attn_route_ops(T):
     g = torch.Generator(device="cuda").manual_seed(T)
@@ -80,11 +74,11 @@ def test_moe_kernel_matches_reference_and_counts(shape, T):
     valid = torch.ones(T, dtype=torch.bool, device="cuda")
     valid[T // 2:] = T == 1
     for v in (None, valid):
-        c1 = _counters(E)
+        c1 = LayerCounters.zeros(E, "cuda")
         want = ref.moe_experts(x, idx, w, gate_up, down, v, c1)
         # the default grid and tiles, both grids, and the split-K down GEMM (its partials added once, in order)
         for grid, split in (("auto", None), ("expert", 1), ("slot", 1), ("auto", 2), ("slot", 4)):
-            c2 = _counters(E)
+            c2 = LayerCounters.zeros(E, "cuda")
             tiles = None if split is None else replace(moe_tiles(T, D, inter, E), down_split=split)
             got = tri.moe_experts(x, idx, w, gate_up, down, v, c2, grid=grid, tiles=tiles)
             _close(got, want, 2e-2, 5e-3)
@@ -266,7 +260,7 @@ def test_moe_kernel_gpt_oss_experts(T):
     valid = torch.ones(T, dtype=torch.bool, device="cuda")
     valid[T // 2:] = T == 1
     for v in (None, valid):
-        c1, c2 = _counters(E), _counters(E)
+        c1, c2 = LayerCounters.zeros(E, "cuda"), LayerCounters.zeros(E, "cuda")
         kw = dict(spec=spec, gate_up_bias=b_gu, down_bias=b_d)
         want = ref.moe_experts(x, idx, w, gate_up, down, v, c1, **kw)
         got = tri.moe_experts(x, idx, w, gate_up, down, v, c2, **kw)

@@ -75,12 +75,6 @@ gu = torch.randn(T, 2 * inter + 3)
 close(ref.silu_mul(gu, inter), tri.silu_mul(gu, inter))
 
 
-def counters():
-    z = lambda dt=torch.int64: torch.zeros(E, dtype=dt)  # noqa: E731
-    return LayerCounters(z(), z(), z(torch.float32), z(torch.float32), torch.zeros((), dtype=torch.int64),
-                         torch.zeros((), dtype=torch.int64))
-
-
 for Tm in (1, 3, 20):  # 20 tokens: two row blocks per expert
     x = torch.randn(Tm, D)
     gate_up, down = torch.randn(E, 2 * inter, D) / 8, torch.randn(E, D, inter) / 6
@@ -89,13 +83,13 @@ for Tm in (1, 3, 20):  # 20 tokens: two row blocks per expert
     wts = torch.rand(Tm, K)
     vm = torch.rand(Tm) > 0.3
     for v in (None, vm):
-        c1, c2 = counters(), counters()
+        c1, c2 = LayerCounters.zeros(E), LayerCounters.zeros(E)
         close(ref.moe_experts(x, idx, wts, gate_up, down, v, c1), tri.moe_experts(x, idx, wts, gate_up, down, v, c2))
         assert torch.equal(c1.routed, c2.routed) and torch.equal(c1.tokens, c2.tokens)
         close(c1.routed_mass, c2.routed_mass)
         # both grids (a program per expert / per assignment) and the split-K down GEMM with its in-kernel fix-up
         for grid, split in (("expert", 3), ("slot", 1), ("slot", 2)):
-            c3 = counters()
+            c3 = LayerCounters.zeros(E)
             tiles = MoeTiles(up_n=16, up_k=32, down_n=16, down_k=16, down_split=split)
             close(ref.moe_experts(x, idx, wts, gate_up, down, v),
                   tri.moe_experts(x, idx, wts, gate_up, down, v, c3, grid=grid, tiles=tiles))

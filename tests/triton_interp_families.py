@@ -83,12 +83,6 @@ for K in (4, 3):
 
 
 # GPT-OSS experts: [E, D, 2I] / [E, I, D], interleaved gate/up, biases, clamped SwiGLU; pad rows and counters
-def counters(n):
-    z = lambda dt=torch.int64: torch.zeros(n, dtype=dt)  # noqa: E731
-    return LayerCounters(z(), z(), z(torch.float32), z(torch.float32), torch.zeros((), dtype=torch.int64),
-                         torch.zeros((), dtype=torch.int64))
-
-
 E, K, inter = 8, 2, 32
 spec = ExpertSpec("swiglu_clamp", interleaved=True, transposed=True, has_bias=True, alpha=1.702, limit=1.5)
 for Tm in (3, 20):  # 20 tokens: two row blocks per expert
@@ -99,7 +93,7 @@ for Tm in (3, 20):  # 20 tokens: two row blocks per expert
     idx[:, 0] = 1
     wts = torch.rand(Tm, K)
     for v in (None, torch.rand(Tm) > 0.3):
-        c1, c2 = counters(E), counters(E)
+        c1, c2 = LayerCounters.zeros(E), LayerCounters.zeros(E)
         a = ref.moe_experts(x, idx, wts, gate_up, down, v, c1, spec=spec, gate_up_bias=b_gu, down_bias=b_d)
         b = tri.moe_experts(x, idx, wts, gate_up, down, v, c2, spec=spec, gate_up_bias=b_gu, down_bias=b_d)
         close(a, b, 1e-4)

@@ -25,6 +25,14 @@ class LayerCounters:
     capacity: torch.Tensor | None = None  # [] int64  sum over calls of the capacity C applied (capacity only)
     calls: torch.Tensor | None = None  # [] int64  calls that applied a capacity
 
+    @classmethod
+    def zeros(cls, n_experts: int, device=None, capacity: bool = False) -> "LayerCounters":
+        """Fresh zero counters of one layer, not views of a DispatchState's: for calling a kernel or a dispatcher on
+        its own (tests, benchmarks). capacity: with the capacity and calls scalars a capacity dispatcher adds to."""
+        z = lambda dt=torch.int64: torch.zeros(n_experts, dtype=dt, device=device)  # noqa: E731
+        s = lambda: torch.zeros((), dtype=torch.int64, device=device)  # noqa: E731
+        return cls(z(), z(), z(torch.float32), z(torch.float32), s(), s(), *((s(), s()) if capacity else ()))
+
     def add_routed(self, routed, routed_mass, tokens):
         """A dispatcher that never drops: three in-place adds instead of six."""
         self.routed.add_(routed)
