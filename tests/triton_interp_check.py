@@ -9,19 +9,13 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.dispatch.state import LayerCounters  # noqa: E402
-from moecg.engine import DecodeEngine  # noqa: E402
-from moecg.fast import FastDecode  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import MoeTiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 
-
-def close(a, b, tol=1e-5):
-    err = float((a.float() - b.float()).abs().max())
-    assert err <= tol, err
+from interp_common import close, fused_backends_agree  # noqa: E402 (tests/, this script's directory)
 
 
 torch.manual_seed(0)
@@ -102,15 +96,6 @@ assert all(int(s.abs().sum()) == 0 for s in tri._SEMS.values())  # every split t
 for preset in ("qwen2_moe_tiny", "qwen3_moe_tiny"):
     model = build_model(preset, dtype="fp32", device="cpu", seed=0).model
     prompts = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
-    runs = []
-    for backend in ("torch", "triton"):
-        attach(model, make_dispatcher("fused", kernels=backend), max_rows=4)
-        eng = DecodeEngine(model, 32, 4)
-        eng.decode_forward = FastDecode(model, backend)
-        assert any(L.norm_route for L in eng.decode_forward.layers) == (preset == "qwen3_moe_tiny")
-        runs.append((eng.generate(prompts, 6, keep_logits=True, timing=False), state_of(model).snapshot()))
-        detach(model)
-    assert torch.equal(runs[0][0].tokens, runs[1][0].tokens)
-    close(torch.stack(runs[0][0].logits), torch.stack(runs[1][0].logits), 1e-4)
-    assert runs[0][1]["routed"] == runs[1][1]["routed"]
+    for step in fused_backends_agree(model, prompts, 32, 6, preset):
+        assert any(L.norm_route for L in step.layers) == (preset == "qwen3_moe_tiny")
 print("ALL OK")

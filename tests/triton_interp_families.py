@@ -12,19 +12,13 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.dispatch.state import LayerCounters  # noqa: E402
-from moecg.engine import DecodeEngine  # noqa: E402
-from moecg.fast import FastDecode  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 from moecg.models.adapter import ExpertSpec  # noqa: E402
 
-
-def close(a, b, tol=1e-5):
-    err = float((a.float() - b.float()).abs().max())
-    assert err <= tol, err
+from interp_common import close, fused_backends_agree  # noqa: E402 (tests/, this script's directory)
 
 
 torch.manual_seed(0)
@@ -114,14 +108,5 @@ for preset, overrides in (("glm4_moe_tiny", {"n_group": 4, "topk_group": 2, "use
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.rand(buf.shape, generator=g) * 0.3)
     prompts = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
-    runs = []
-    for backend in ("torch", "triton"):
-        attach(model, make_dispatcher("fused", kernels=backend), max_rows=4)
-        eng = DecodeEngine(model, 16, 4)
-        eng.decode_forward = FastDecode(model, backend)
-        runs.append((eng.generate(prompts, 5, keep_logits=True, timing=False), state_of(model).snapshot()))
-        detach(model)
-    assert torch.equal(runs[0][0].tokens, runs[1][0].tokens), preset
-    close(torch.stack(runs[0][0].logits), torch.stack(runs[1][0].logits), 1e-4)
-    assert runs[0][1]["routed"] == runs[1][1]["routed"], preset
+    fused_backends_agree(model, prompts, 16, 5, preset)
 print("ALL OK")

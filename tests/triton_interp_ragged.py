@@ -13,10 +13,7 @@ import torch  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
 
-
-def close(a, b, tol=1e-5):
-    err = float((a.float() - b.float()).abs().max())
-    assert err <= tol, err
+from interp_common import close  # noqa: E402 (tests/, this script's directory)
 
 
 torch.manual_seed(0)
