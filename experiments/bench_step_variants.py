@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import statistics
 import sys
@@ -40,6 +39,7 @@ from moecg.floor import step_floor_ms
 from moecg.kernels import tiles as tiles_mod, triton_ops
 from moecg.models import build_model
 from moecg.report import env_fields, write_report
+from profile_step import kernel_table  # same directory: the per-kernel profile
 
 SWITCHES = ("slot", "overlap", "router")
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.MoeTiles) if f.name != "down_split")
@@ -63,13 +63,11 @@ def parse_variant(name: str) -> dict:
     return v
 
 
-@functools.lru_cache(maxsize=None)
-def _orig():
-    return triton_ops.moe_experts, tiles_mod.moe_tiles
+MOE_EXPERTS, MOE_TILES = triton_ops.moe_experts, tiles_mod.moe_tiles  # the originals, which set_variant wraps
 
 
 def set_variant(v: dict) -> None:
-    moe, tiles_of = _orig()
+    moe, tiles_of = MOE_EXPERTS, MOE_TILES
     triton_ops.PDL = v["pdl"]
     FastDecode.overlap_shared = v["overlap"]
     FastDecode.fuse_router = v["router"]
@@ -82,18 +80,6 @@ def set_variant(v: dict) -> None:
         return moe(*a, tiles=tiles, grid="auto" if v["slot"] else "expert", **kw)
 
     triton_ops.moe_experts = moe_experts
-
-
-def kernel_table(engine, bs: int, steps: int = 10, top: int = 25) -> list[tuple[str, float, float]]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with engine.scratch(), profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
-        for _ in range(steps):
-            engine.step_impl(engine.ids, bs)
-        torch.cuda.synchronize()
-    rows = sorted(((k.key, k.device_time_total, k.count) for k in prof.key_averages() if k.device_time_total > 0),
-                  key=lambda r: -r[1])
-    return [(name[:90], t / steps, n / steps) for name, t, n in rows[:top]]
 
 
 def time_variant(model, adapter, bs, prompts, cache_len, replays, repeats, bandwidth, profile_it):
@@ -115,7 +101,11 @@ def time_variant(model, adapter, bs, prompts, cache_len, replays, repeats, bandw
                 b.record()
                 torch.cuda.synchronize()
                 times.append(a.elapsed_time(b) / replays)
-        table = kernel_table(eng, bs) if profile_it else None
+        if profile_it:
+            with eng.scratch():
+                table = kernel_table(lambda: eng.step_impl(eng.ids, bs), 10)[:25]
+        else:
+            table = None
         floor = step_floor_ms(eng, adapter, prompts, bandwidth, prompts.shape[1] + 4, False)
         cap.unwrap()
         return statistics.median(times), logits, floor, table
@@ -166,7 +156,7 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
             if table:
                 tables.append((name, bs, ms, table))
-    triton_ops.moe_experts = _orig()[0]
+    triton_ops.moe_experts = MOE_EXPERTS
     head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, {env_fields()['device_name']}, "
             f"prompt {args.prompt_len}, cache {args.cache_len}; captured full+fused step, ms (CUDA events, "
             f"{args.replays} replays x median of {args.repeats})")
