@@ -358,7 +358,8 @@ class FastDecode:
                     y = F.linear(ops.silu_mul(F.linear(h, L.wcat), L.shared_inter), L.w_sdown)  # [T, D]
                 res, h = ops.add_rmsnorm(y[:, None], res, nw, neps, cast_last=cl)
                 continue
-            if not L.norm_route:
+            side = None  # the shared expert's stream, once forked
+            if not L.norm_route:  # (norm_route layers have their idx, w already, and no shared expert)
                 z = F.linear(h, L.wcat, L.bcat) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
                 side = self._side_stream() if L.shared_inter else None
                 if side is not None:  # fork: the shared expert starts once z exists, the routing goes on here
@@ -372,8 +373,6 @@ class FastDecode:
                 if bias is not None:
                     logits = logits + bias.to(logits.dtype)  # [T, E]
                 idx, w = self._route(L, logits)  # [T, K], [T, K]
-            else:
-                side = None
             shared = gate = None
             if L.shared_inter:
                 with torch.cuda.stream(side) if side is not None else _nullctx():
