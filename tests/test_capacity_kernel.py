@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moecg.capture import Capture
-from moecg.dispatch import DispatchState, attach, detach, make_dispatcher, state_of
+from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.dispatch.capacity import Capacity
 from moecg.dispatch.state import LayerCounters
 from moecg.engine import DecodeEngine
