@@ -151,7 +151,8 @@ def main(argv=None):
             diff = float((logits - ref_logits).abs().max())
             same = bool(torch.equal(logits, ref_logits))
             row = {"batch_size": bs, "variant": name, "ms": ms, "floor_ms": floor, "x_floor": ms / floor,
-                   "same_bits_as_first": same, "max_logit_diff": diff, **{k: v[k] for k in v if k != "tiles"}, "tiles": v.get("tiles", {})}
+                   "same_bits_as_first": same, "max_logit_diff": diff, **{k: v[k] for k in v if k != "tiles"},
+                   "tiles": v.get("tiles", {})}
             results.append(row)
             print(json.dumps(row), flush=True)
             if table:
