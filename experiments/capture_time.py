@@ -92,10 +92,18 @@ def measure(args) -> dict:
         if cap.runner is None:
             raise SystemExit(f"capture backend {backend} captures nothing on {dev.type}: use --backend emulate")
         _timed_backend(cap.runner.backend, per_bucket, sync)
+        prof = None
+        if args.profile_out:
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
         t1 = time.perf_counter()
         cap.apply()
         sync()
         apply_s = time.perf_counter() - t1
+        if prof is not None:
+            prof.disable()
+            _write_profile(prof, args.profile_out)
         stats = cap.stats()
         cap.unwrap()
     finally:
@@ -118,6 +126,18 @@ def measure(args) -> dict:
             "device": dev.type, "env": {**env_fields(), "triton_version": _triton_version()}}
 
 
+def _write_profile(prof, path: str) -> None:
+    """The host-side profile of apply(): the 40 costliest calls by cumulative and by own time (paths trimmed)."""
+    import io
+    import pstats
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.strip_dirs()
+    for key in ("cumulative", "tottime"):
+        st.sort_stats(key).print_stats(40)
+    Path(path).write_text(buf.getvalue())
+
+
 def _triton_version() -> str | None:
     try:
         import triton
@@ -126,12 +146,13 @@ def _triton_version() -> str | None:
     return triton.__version__
 
 
-def _child_argv(args, out: Path) -> list[str]:
+def _child_argv(args, out: Path, what: str) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", str(out), "--preset", args.preset,
             "--strategy", args.strategy, "--kernels", args.kernels, "--dispatch", args.dispatch, "--device",
             args.device, "--dtype", args.dtype, "--backend", args.backend, "--cache-len", str(args.cache_len),
             "--warmup", str(args.warmup), "--buckets", *map(str, args.buckets)]
-    return argv + (["--num-layers", str(args.num_layers)] if args.num_layers is not None else [])
+    argv += ["--num-layers", str(args.num_layers)] if args.num_layers is not None else []
+    return argv + (["--profile-out", f"{args.profile}.{what}.txt"] if args.profile else [])
 
 
 def run_fresh(args, cache_dir: str, what: str) -> dict:
@@ -141,7 +162,7 @@ def run_fresh(args, cache_dir: str, what: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
         t0 = time.perf_counter()
-        p = subprocess.run(_child_argv(args, out), env=env, capture_output=True, text=True)
+        p = subprocess.run(_child_argv(args, out, what), env=env, capture_output=True, text=True)
         if p.returncode != 0 or not out.exists():
             raise SystemExit(f"the {what} process failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
         row = json.loads(out.read_text())
@@ -194,9 +215,12 @@ def main(argv=None):
                                                       "directory, removed after); must not exist or be empty")
     ap.add_argument("--target-cold", type=float, default=3.0)
     ap.add_argument("--target-warm", type=float, default=0.5)
+    ap.add_argument("--profile", default=None, help="write each run's host-side cProfile of apply() to "
+                                                    "PROFILE.cold.txt / PROFILE.warm.txt")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: measure() here, write the row
+    ap.add_argument("--profile-out", default=None, help=argparse.SUPPRESS)  # internal: the child's profile file
     args = ap.parse_args(argv)
     try:
         validate_buckets(args.buckets)
