@@ -10,6 +10,8 @@ Each process builds the model, attaches the dispatcher, makes a DecodeEngine of 
 GEMM (CUDA context and cuBLAS set up outside the timing), then times what experiments/bench_vs_compile.py's moecg_ms
 times: `Capture(engine, ...)` + `.apply()`, every bucket largest first, split as
   setup       Capture(): the strategy's checks and, for capture.kernels=fused, FastDecode (weights concatenated)
+  precompile  kernels=fused on Triton: every bucket's step run dry, then each distinct kernel specialisation compiled
+              on a thread pool (Capture.precompile; --no-precompile: none, the first warmups compile)
   first warm  each bucket's first warmup call: the step's first run at that shape, Triton's JIT compiles included
   jit (est.)  first warm minus the bucket's later warmup calls' mean: what the first call cost beyond a step
   warmups     the later warmup calls (capture.warmup - 1 per bucket): eager steps
@@ -35,7 +37,7 @@ import torch
 from moecg.capture import DEFAULT_BUCKETS, Capture, validate_buckets
 from moecg.report import env_fields, write_report
 
-PHASES = ("setup_s", "first_warmup_s", "jit_s", "steady_warmup_s", "graph_capture_s", "other_s")
+PHASES = ("setup_s", "precompile_s", "first_warmup_s", "jit_s", "steady_warmup_s", "graph_capture_s", "other_s")
 
 
 def _files(d) -> int:
@@ -89,6 +91,7 @@ def measure(args) -> dict:
         cap = Capture(engine, args.strategy, buckets=buckets, backend=backend, warmup=args.warmup,
                       kernels=args.kernels)
         setup_s = time.perf_counter() - t0
+        cap.precompile = not args.no_precompile
         if cap.runner is None:
             raise SystemExit(f"capture backend {backend} captures nothing on {dev.type}: use --backend emulate")
         _timed_backend(cap.runner.backend, per_bucket, sync)
@@ -117,8 +120,12 @@ def measure(args) -> dict:
                    "graph_capture_s": p["graph_capture_s"], "total_s": sum(w) + p["graph_capture_s"]}
     tot = {k: sum(r[k] for r in rows.values()) for k in ("first_warmup_s", "jit_s", "steady_warmup_s",
                                                           "graph_capture_s")}
+    pre = stats["precompiled"] or {}
+    tot["precompile_s"] = pre.get("seconds", 0.0)
     return {"capture_all_s": setup_s + apply_s, "setup_s": setup_s, "apply_s": apply_s, **tot,
-            "other_s": apply_s - tot["first_warmup_s"] - tot["steady_warmup_s"] - tot["graph_capture_s"],
+            "precompile": not args.no_precompile, "specialisations": pre.get("specialisations", 0),
+            "other_s": apply_s - tot["precompile_s"] - tot["first_warmup_s"] - tot["steady_warmup_s"]
+            - tot["graph_capture_s"],
             "graphs": stats["graphs"], "capture_backend": stats["capture_backend"],
             "kernel_backend": stats["kernel_backend"], "new_cache_files": _files(cache_dir) - files0,
             "buckets": {str(b): rows[b] for b in sorted(rows)}, "model": built.name,
@@ -152,6 +159,7 @@ def _child_argv(args, out: Path, what: str) -> list[str]:
             args.device, "--dtype", args.dtype, "--backend", args.backend, "--cache-len", str(args.cache_len),
             "--warmup", str(args.warmup), "--buckets", *map(str, args.buckets)]
     argv += ["--num-layers", str(args.num_layers)] if args.num_layers is not None else []
+    argv += ["--no-precompile"] if args.no_precompile else []
     return argv + (["--profile-out", f"{args.profile}.{what}.txt"] if args.profile else [])
 
 
@@ -177,12 +185,13 @@ def report(rows: list[dict], args) -> str:
             f"{env['torch_version']}, transformers {env['transformers_version']}, triton {env['triton_version']}, commit "
             f"{env['git_sha']}: strategy={args.strategy} capture.kernels={args.kernels} dispatch={args.dispatch} "
             f"(kernel backend {r0['kernel_backend']}), {r0['capture_backend']} graphs, buckets {list(args.buckets)}, "
-            f"cache {args.cache_len}, capture.warmup {args.warmup}; seconds, each run a fresh process")
-    lines = [head, "", "| run | capture all buckets | setup | first warmups | of which jit (est.) | warmups | graphs | "
-             "other | new cache files |", "|---|---|---|---|---|---|---|---|---|"]
+            f"cache {args.cache_len}, capture.warmup {args.warmup}, precompile {not args.no_precompile}; seconds, each run a "
+            "fresh process")
+    lines = [head, "", "| run | capture all buckets | setup | precompile | first warmups | of which jit (est.) | warmups "
+             "| graphs | other | specialisations precompiled | new cache files |", "|" + "---|" * 11]
     for r in rows:
         lines.append(f"| {r['run']} | **{r['capture_all_s']:.2f}** | " + " | ".join(
-            f"{r[k]:.2f}" for k in PHASES) + f" | {r['new_cache_files']} |")
+            f"{r[k]:.2f}" for k in PHASES) + f" | {r['specialisations']} | {r['new_cache_files']} |")
     lines += ["", "per bucket (warmups + graph), " + " / ".join(r["run"] for r in rows) + ":", "",
               "| bucket | " + " | ".join(r["run"] for r in rows) + " |", "|---|" + "---|" * len(rows)]
     for b in r0["buckets"]:
@@ -215,6 +224,8 @@ def main(argv=None):
                                                       "directory, removed after); must not exist or be empty")
     ap.add_argument("--target-cold", type=float, default=3.0)
     ap.add_argument("--target-warm", type=float, default=0.5)
+    ap.add_argument("--no-precompile", action="store_true", help="Capture.precompile = False: each kernel compiles "
+                                                                   "inside the first warmup that launches it")
     ap.add_argument("--profile", default=None, help="write each run's host-side cProfile of apply() to "
                                                     "PROFILE.cold.txt / PROFILE.warm.txt")
     ap.add_argument("--out", default=None)

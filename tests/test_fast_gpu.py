@@ -301,3 +301,53 @@ def test_family_fused_full_capture_matches_hf_eager(preset):
     assert s["routed_assignments"] == s_ref["routed_assignments"] and s["tokens"] == s_ref["tokens"]
     cap.unwrap()
     detach(m)
+
+
+def _n_compiled() -> int | None:
+    """Compiled specialisations held in memory by the Triton kernels of the fused step (None: Triton's layout
+    unknown)."""
+    from moecg.kernels import capacity_ops
+
+    n = 0
+    for mod in (tri, capacity_ops):
+        for fn in vars(mod).values():
+            caches = getattr(fn, "device_caches", None)
+            if caches is None:
+                continue
+            try:
+                n += sum(len(c[0]) for c in caches.values())
+            except (TypeError, IndexError, KeyError):
+                return None
+    return n
+
+
+def test_capture_precompile_leaves_nothing_to_compile_and_same_bits(monkeypatch):
+    """Capture.precompile: after the dry pass and the pool, the warmups and captures compile no kernel; the replayed
+    logits are bit-equal to a capture without the pass."""
+    b = build_model("qwen2_moe_tiny", dtype="bf16", device="cuda", seed=4)
+    m = b.model
+    prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    outs, after_pre = [], {}
+    real = Capture._precompile
+
+    def spy(self, order):
+        real(self, order)
+        after_pre["n"] = _n_compiled()
+    monkeypatch.setattr(Capture, "_precompile", spy)
+    for pre in (True, False):
+        monkeypatch.setattr(Capture, "precompile", pre)
+        attach(m, make_dispatcher("fused"), max_rows=8)
+        eng = DecodeEngine(m, 64, 8)
+        cap = Capture(eng, "full", buckets=(1, 2, 4, 8), kernels="fused").apply()
+        if pre:
+            st = cap.stats()["precompiled"]
+            assert st["specialisations"] > 0 and st["launches"] > st["specialisations"]
+            if after_pre["n"] is not None:
+                assert _n_compiled() == after_pre["n"], "a warmup compiled a kernel the dry pass missed"
+        else:
+            assert cap.stats()["precompiled"] is None
+        outs.append(eng.generate(prompts, 8, keep_logits=True, timing=False))
+        cap.unwrap()
+        detach(m)
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert all(torch.equal(a, c) for a, c in zip(outs[0].logits, outs[1].logits))

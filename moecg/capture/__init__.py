@@ -37,6 +37,10 @@ class CaptureError(RuntimeError):
 
 
 class Capture:
+    # kernels=fused on Triton: compile the step's kernels for every bucket on a thread pool before the first warmup
+    # (_precompile); False: each compiles inside the first warmup that launches it (benchmarks compare the two)
+    precompile = True
+
     def __init__(self, engine, strategy: str = "eager", *, layers: str | None = None, buckets=DEFAULT_BUCKETS,
                  backend: str = "auto", warmup: int = 3, compile: bool = False,
                  compile_mode: str = "default", kernels: str = "hf", kernel_backend: str = "auto"):
@@ -69,6 +73,7 @@ class Capture:
 
             self.fast = FastDecode(model, kernel_backend)  # checks the model first, before any CUDA work
         self.layer_graphs: LayerGraphs | None = None
+        self.precompiled: dict | None = None  # triton_ops.precompile's record, when it ran
         self._warned_big = False
         self._layer_now = None
         self.applied = False
@@ -127,7 +132,10 @@ class Capture:
         eng = self.engine
         state = state_of(eng.model)
         eng.cache.reset()
-        for b in sorted((b for b in self.buckets if b <= eng.max_rows), reverse=True):  # largest first: one pool
+        order = sorted((b for b in self.buckets if b <= eng.max_rows), reverse=True)  # largest first: one pool
+        if self.precompile and self.fast is not None and self.fast.backend == "triton" and order:
+            self._precompile(order)
+        for b in order:
             try:
                 with eng.scratch(), torch.no_grad():
                     state.set_rows(b, b)
@@ -151,6 +159,21 @@ class Capture:
         # pitfall 5: the captured graphs start from an empty cache
         eng.cache.reset()
         state.reset()
+
+    def _precompile(self, order) -> None:
+        """kernels=fused on Triton: run each bucket's step once dry (moecg.kernels.triton_ops.dry_run: its launches
+        recorded, not run; the torch ops between them run on zeros), then compile every distinct kernel
+        specialisation on a thread pool before the warmups, instead of one after another inside the first warmups."""
+        from moecg.kernels import triton_ops
+
+        eng, state = self.engine, state_of(self.engine.model)
+        with triton_ops.dry_run() as launches:
+            for b in order:
+                with eng.scratch(), torch.no_grad(), state.rows(b):
+                    state.set_rows(b, b)
+                    eng.ids[:b].zero_()
+                    eng.eager_step(eng.ids, b)
+        self.precompiled = triton_ops.precompile(launches)
 
     @contextmanager
     def _track_layer(self):
@@ -212,6 +235,7 @@ class Capture:
             "compiled": self.compile and self.runner is not None,
             "kernels": self.kernels,
             "kernel_backend": self.fast.backend if self.fast is not None else None,
+            "precompiled": self.precompiled,
         }
 
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from moecg.dispatch.capacity import DROP_POLICIES, capacity
 from moecg.kernels.tiles import moe_tiles
-from moecg.kernels.triton_ops import ExpertArgs, _down_tile, _p2, _up_tile
+from moecg.kernels.triton_ops import ExpertArgs, _down_tile, _dry_zeros, _launch, _p2, _up_tile
 
 BLOCK_T = 64  # tokens per ranking chunk: one chunk at every decode bucket up to 64
 
@@ -204,6 +204,7 @@ def _cap_down_kernel(h_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, nk_ptr, keep_
         tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
 
 
+@_dry_zeros
 def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, capacity_factor: float,
                      drop_policy: str = "probs", min_capacity: int = 1, renormalize: bool = False, spec=None,
                      gate_up_bias=None, down_bias=None, tiles=None):
@@ -231,20 +232,20 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
     v = valid if valid is not None else idx
     has_valid = valid is not None
     KP = _p2(K)
-    _cap_slots_kernel[(E,)](
+    _launch(_cap_slots_kernel, (E,),
         idx, v, wc, slots, n_kept, keep, y, c.routed if cnt else h, c.dropped if cnt else h,
         c.routed_mass if cnt else h, c.dropped_mass if cnt else h, c.capacity if count_cap else h,
         c.calls if count_cap else h, c.tokens if cnt else h,
         T, E, C, capacity_factor_bits(capacity_factor), int(min_capacity), D, y.stride(1), K=K, KP=KP,
         POSITION=drop_policy == "position", HAS_VALID=has_valid, COUNT=cnt, COUNT_CAP=count_cap,
         BLOCK_T=BLOCK_T, BLOCK_D=128, num_warps=4)
-    _cap_up_kernel[(E, m_blocks, triton.cdiv(inter, t.up_n))](
+    _launch(_cap_up_kernel, (E, m_blocks, triton.cdiv(inter, t.up_n)),
         x, v, gate_up, gate_up_bias if gate_up_bias is not None else h, h, slots, n_kept, keep,
         c.lost_all if cnt else h, T, C, D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
         K=K, KP=KP, HAS_VALID=has_valid, COUNT=cnt, JM=a.jm, JU=a.ju, HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=t.block_m, BLOCK_N=t.up_n, BLOCK_K=t.up_k, BLOCK_T=BLOCK_T, num_warps=t.warps, num_stages=t.stages)
-    _cap_down_kernel[(E, m_blocks, triton.cdiv(D, t.down_n))](
+    _launch(_cap_down_kernel, (E, m_blocks, triton.cdiv(D, t.down_n)),
         h, wc, down, down_bias if down_bias is not None else h, y, slots, n_kept, keep,
         C, D, inter, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, KP=KP, RENORM=bool(renormalize),

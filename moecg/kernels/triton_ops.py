@@ -7,6 +7,7 @@ Rounding follows HF's modules: bf16 after each elementwise op that HF runs in bf
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -81,6 +82,100 @@ def _pdl_enter(MODE: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Every launch goes through _launch. Inside `dry_run()` nothing launches: each launch is recorded (kernel, grid,
+# arguments) and every public op returns zeros of its outputs' shapes (the launches that would have written them
+# did not run), so a step run dry goes on safely (zeros are valid indices and weights for any torch op after).
+# `precompile(launches)` then compiles the distinct specialisations on a thread pool: Triton's code generation holds
+# the GIL, but its ptxas and launcher (C compiler) subprocesses, about half of a cold compile, overlap.
+_DRY: list | None = None
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    if _DRY is not None:
+        _DRY.append((kernel, grid, args, kwargs))
+        return
+    kernel[grid](*args, **kwargs)
+
+
+def _dry_zeros(fn):
+    """An op whose outputs are zeros under dry_run() (its launches recorded, not run)."""
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if _DRY is not None:
+            for t in out if isinstance(out, tuple) else (out,):
+                if isinstance(t, torch.Tensor):
+                    t.zero_()
+        return out
+    return op
+
+
+@contextlib.contextmanager
+def dry_run():
+    """Record the Triton launches of what runs inside, instead of launching them; yields the list."""
+    global _DRY
+    if _DRY is not None:
+        raise RuntimeError("dry_run() is already active")
+    _DRY = rec = []
+    try:
+        yield rec
+    finally:
+        _DRY = None
+
+
+def _spec_key(kernel, args, kwargs) -> tuple:
+    """What Triton specialises a launch on, roughly: tensor dtype and 16-byte alignment, int 1 / multiple of 16 /
+    width (width only for do_not_specialize arguments), the constexpr and launch keywords. Launches with one key
+    compile once; a key finer than Triton's only costs a compile that finds Triton's cache filled."""
+    names = list(getattr(kernel, "arg_names", ()))
+    dns = {names.index(d) if isinstance(d, str) and d in names else d for d in getattr(kernel, "do_not_specialize", ())}
+
+    def one(i, a):
+        if isinstance(a, torch.Tensor):
+            return ("t", a.dtype, a.data_ptr() % 16 == 0)
+        if isinstance(a, bool):
+            return ("b", a)
+        if isinstance(a, int):
+            wide = not -2**31 <= a < 2**31
+            return ("i", wide) if i in dns else ("i", wide, a == 1, a % 16 == 0)
+        return (type(a).__name__, a if a is None or isinstance(a, str) else None)
+    return (id(kernel), tuple(one(i, a) for i, a in enumerate(args)),
+            tuple(sorted((k, one(-1, v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items())))
+
+
+def precompile(launches, workers: int | None = None) -> dict:
+    """Compile (and build the launcher of) each distinct specialisation among `launches` (from dry_run) on a thread
+    pool, so the launches that follow find every kernel compiled. Returns {"launches", "specialisations",
+    "seconds"}. Under the CPU interpreter there is nothing to compile."""
+    import concurrent.futures
+    import time
+
+    t0 = time.perf_counter()
+    todo = {}
+    for kernel, grid, args, kwargs in launches:
+        todo.setdefault(_spec_key(kernel, args, kwargs), (kernel, grid, args, kwargs))
+    if not todo or not hasattr(next(iter(todo.values()))[0], "warmup") or \
+            os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return {"launches": len(launches), "specialisations": 0, "seconds": 0.0}
+
+    def build(item):
+        kernel, grid, args, kwargs = item
+        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if dev is not None and dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        init = getattr(compiled, "_init_handles", None)  # the launcher (a C module, compiled once per signature)
+        if init is not None:
+            init()
+
+    n = workers or min(len(todo), os.cpu_count() or 1, 16)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="moecg-precompile") as pool:
+        for f in [pool.submit(build, item) for item in todo.values()]:
+            f.result()
+    return {"launches": len(launches), "specialisations": len(todo), "seconds": time.perf_counter() - t0}
+
+
+# ------------------------------------------------------------------------------------------------------------
 # residual add (+ routed partial sums, + gated shared expert) + RMSNorm
 @triton.jit(do_not_specialize=["T"])
 def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_res_ptr, out_ptr,
@@ -119,6 +214,7 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
     tl.store(out_ptr + t * s_ot + offs, (w * yn).to(dt), mask=m)
 
 
+@_dry_zeros
 def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, valid=None, cast_last: bool = False,
                 out_dtype=None):
     T, KK, D = y.shape
@@ -127,7 +223,7 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
     normed = torch.empty(T, D, dtype=dt, device=y.device)
     assert y.stride(2) == 1 and (residual is None or residual.stride(1) == 1)
     dummy = new_res
-    _add_rmsnorm_kernel[(T,)](
+    _launch(_add_rmsnorm_kernel, (T,),
         y, residual if residual is not None else dummy, weight,
         shared if shared is not None else dummy, shared_gate if shared_gate is not None else dummy,
         valid if valid is not None else dummy, new_res, normed,
@@ -218,6 +314,7 @@ def _pos_stride(pos: torch.Tensor, T: int) -> int:
     return 1
 
 
+@_dry_zeros
 def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: int,
                q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None):
     T = qkv.shape[0]
@@ -226,7 +323,7 @@ def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: 
     assert R % 2 == 0 and R <= head_dim and sin.shape == cos.shape
     q = torch.empty(T, n_q, head_dim, dtype=qkv.dtype, device=qkv.device)
     full = q_norm is not None and q_norm.numel() != head_dim
-    _rope_cache_kernel[(T, n_q + 2 * n_kv)](
+    _launch(_rope_cache_kernel, (T, n_q + 2 * n_kv),
         qkv, pos, cos, sin, keys, values, q, q_norm if q_norm is not None else q,
         k_norm if k_norm is not None else q, T, eps, float(clip or 0.0), _pos_stride(pos, T), qkv.stride(0),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
@@ -389,6 +486,7 @@ def attn_splits(T: int, Hkv: int, span: int) -> int:
     return max(1, min(128 // max(1, T * Hkv), span // 64, 16))
 
 
+@_dry_zeros
 def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None, eager: bool = False,
                 splits: int | None = None):
     """splits: programs per (row, kv head) context (None: attn_splits' choice; benchmarks pass their own)."""
@@ -414,7 +512,7 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     sk = sinks if sinks is not None else o
     assert sinks is None or (sinks.is_contiguous() and sinks.numel() == Hq)
     sems = _split_sems(q.device, T * Hkv, "attn") if splits > 1 else o
-    _attn_decode_kernel[(T, Hkv, splits)](
+    _launch(_attn_decode_kernel, (T, Hkv, splits),
         q, keys, values, pos, sk, o, m, l_, acc, sems, T, scaling, window, chunk, _pos_stride(pos, T), q.stride(0),
         q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
@@ -462,12 +560,13 @@ def _route_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, NORM: tl.
     tl.store(w_ptr + t * K + kk, vals.to(w_ptr.dtype.element_ty))
 
 
+@_dry_zeros
 def route(logits, top_k: int, normalize: bool, out_dtype):
     T, E = logits.shape
     assert logits.stride(1) == 1 and top_k & (top_k - 1) == 0, "top_k must be a power of two for the Triton router"
     idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(T, top_k, dtype=out_dtype, device=logits.device)
-    _route_kernel[(T,)](logits, idx, w, T, E, logits.stride(0), K=top_k, NORM=normalize, BLOCK_E=_p2(E),
+    _launch(_route_kernel, (T,), logits, idx, w, T, E, logits.stride(0), K=top_k, NORM=normalize, BLOCK_E=_p2(E),
                         num_warps=1,
         **_pdl_args(logits.device))
     return idx, w
@@ -523,6 +622,7 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
         tl.store(sem_ptr + t, 0)  # zero again for the next call (and graph replay)
 
 
+@_dry_zeros
 def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize: bool, out_dtype, logit_bias=None,
                cast_last: bool = False):
     T, D = a.shape
@@ -539,7 +639,7 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
     be = max(2, min(_p2(E) // 16, 16384 // _p2(D)))  # ~16 programs per row, at most 16k weights in registers
     nb = triton.cdiv(E, be)
     sems = _split_sems(a.device, T, "norm_route")
-    _norm_route_kernel[(T, nb)](
+    _launch(_norm_route_kernel, (T, nb),
         a, residual, weight, router_w, logit_bias if logit_bias is not None else lg, lg, sems, new_res, normed, idx, w,
         T, D, E, eps, a.stride(0), residual.stride(0), router_w.stride(0), new_res.stride(0), normed.stride(0),
         K=top_k, NORM=normalize, HAS_SKEW=logit_bias is not None, CAST_LAST=cast_last, BLOCK_D=_p2(D), BLOCK_E=be,
@@ -599,6 +699,7 @@ def _route_sigmoid_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scali
     tl.store(w_ptr + t * K + kk, ws, mask=kk < K)
 
 
+@_dry_zeros
 def route_sigmoid_group(logits, choice_bias, top_k: int, n_group: int, topk_group: int, normalize: bool,
                         scaling: float):
     T, E = logits.shape
@@ -606,7 +707,7 @@ def route_sigmoid_group(logits, choice_bias, top_k: int, n_group: int, topk_grou
     assert choice_bias is None or choice_bias.is_contiguous()
     idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    _route_sigmoid_group_kernel[(T,)](
+    _launch(_route_sigmoid_group_kernel, (T,),
         logits, choice_bias if choice_bias is not None else logits, idx, w, T, E, logits.stride(0), float(scaling),
         K=top_k, KP=_p2(top_k), NG=n_group, NGP=_p2(n_group), TOPKG=topk_group, NORM=normalize,
         HAS_BIAS=choice_bias is not None, BLOCK_E=_p2(E), num_warps=1 if E <= 256 else 4,
@@ -639,12 +740,13 @@ def _route_topk_softmax_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constex
     tl.store(w_ptr + t * K + kk, p.to(w_ptr.dtype.element_ty), mask=kk < K)
 
 
+@_dry_zeros
 def route_topk_softmax(logits, top_k: int):
     T, E = logits.shape
     assert logits.stride(1) == 1
     idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
-    _route_topk_softmax_kernel[(T,)](logits, idx, w, T, E, logits.stride(0), K=top_k, KP=_p2(top_k),
+    _launch(_route_topk_softmax_kernel, (T,), logits, idx, w, T, E, logits.stride(0), K=top_k, KP=_p2(top_k),
                                      BLOCK_E=_p2(E), num_warps=1 if E <= 256 else 4,
         **_pdl_args(logits.device))
     return idx, w
@@ -664,11 +766,12 @@ def _silu_mul_kernel(gu_ptr, h_ptr, T, I, s_gt, s_ht, BLOCK: tl.constexpr, USE_P
     tl.store(h_ptr + t * s_ht + offs, (a * u).to(dt), mask=m)
 
 
+@_dry_zeros
 def silu_mul(gu, inter: int):
     T = gu.shape[0]
     assert gu.stride(1) == 1
     h = torch.empty(T, inter, dtype=gu.dtype, device=gu.device)
-    _silu_mul_kernel[(T, triton.cdiv(inter, 1024))](gu, h, T, inter, gu.stride(0), h.stride(0), BLOCK=1024,
+    _launch(_silu_mul_kernel, (T, triton.cdiv(inter, 1024)), gu, h, T, inter, gu.stride(0), h.stride(0), BLOCK=1024,
                                                      num_warps=4,
         **_pdl_args(gu.device))
     return h
@@ -923,6 +1026,7 @@ class ExpertArgs:
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
 
 
+@_dry_zeros
 def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
                 down_bias=None, tiles=None, grid: str = "auto"):
     """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles).
@@ -948,7 +1052,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)  # pad rows: zeroed by the down kernel
     wc = w.contiguous()
     c = counters
-    _moe_up_kernel[(P, m_blocks, triton.cdiv(inter, t.up_n))](
+    _launch(_moe_up_kernel, (P, m_blocks, triton.cdiv(inter, t.up_n)),
         x, idx, valid if valid is not None else idx, wc, gate_up, gate_up_bias if gate_up_bias is not None else h,
         h, c.routed if c is not None else h, c.routed_mass if c is not None else h,
         c.tokens if c is not None else h, S, int(by_slot), D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
@@ -965,7 +1069,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         k_chunk = inter
     part = torch.empty(split, S, D, dtype=torch.float32, device=x.device) if split > 1 else y
     sems = _split_sems(x.device, P * m_blocks * n_blocks, "moe_down") if split > 1 else idx
-    _moe_down_kernel[(P, m_blocks, n_blocks * split)](
+    _launch(_moe_down_kernel, (P, m_blocks, n_blocks * split),
         h, idx, valid if valid is not None else idx, wc, down, down_bias if down_bias is not None else h, y, part,
         sems, S, int(by_slot), D, inter, k_chunk, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,

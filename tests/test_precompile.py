@@ -1,0 +1,132 @@
+"""Capture's precompile pass (kernels=fused on Triton): a step run dry records its launches, then each distinct
+specialisation compiles once on a thread pool. On CPU no kernel launches or compiles: the recording, the zeros
+the ops return while dry, the specialisation keys and the pool are checked with the real op wrappers and a stand-in
+kernel; tests/test_fast_gpu.py checks on CUDA that the warmups after it compile nothing and the bits are unchanged."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from moecg.capture import Capture  # noqa: E402
+from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
+from moecg.engine import DecodeEngine  # noqa: E402
+from moecg.kernels import triton_ops  # noqa: E402
+from moecg.models import build_model  # noqa: E402
+
+
+class _Kernel:
+    """A stand-in JIT function: records warmups (thread, args) and indexing launches."""
+
+    def __init__(self, arg_names, do_not_specialize=()):
+        self.arg_names, self.do_not_specialize = list(arg_names), list(do_not_specialize)
+        self.warmups, self.launched, self.inits = [], [], 0
+        self.lock = threading.Lock()
+
+    def warmup(self, *args, grid, **kwargs):
+        with self.lock:
+            self.warmups.append((threading.current_thread().name, args, kwargs))
+        kernel = self
+
+        class Compiled:
+            def _init_handles(self):
+                with kernel.lock:
+                    kernel.inits += 1
+        return Compiled()
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self.launched.append((grid, a, k))
+
+
+def test_launch_runs_outside_dry_run_and_records_inside():
+    k = _Kernel(["x", "T"])
+    x = torch.zeros(4)
+    triton_ops._launch(k, (2,), x, 3, BLOCK=8)
+    assert len(k.launched) == 1 and k.launched[0][0] == (2,)
+    with triton_ops.dry_run() as rec:
+        triton_ops._launch(k, (5,), x, 3, BLOCK=8)
+        with pytest.raises(RuntimeError, match="already active"):
+            with triton_ops.dry_run():
+                pass
+    assert len(k.launched) == 1 and len(rec) == 1 and rec[0][1] == (5,)
+    assert triton_ops._DRY is None
+
+
+def test_dry_ops_record_and_return_zeros():
+    """The real op wrappers on CPU tensors: inside dry_run nothing launches (a launch on CPU tensors would raise)
+    and the outputs are zeros; batch sizes share a key (T is not specialised), other constexprs do not."""
+    D = 64
+    w = torch.randn(D)
+    keys = []
+    with triton_ops.dry_run() as rec:
+        for T in (1, 64):
+            y = torch.randn(T, 1, D)
+            res, h = triton_ops.add_rmsnorm(y, None, w, 1e-6, out_dtype=torch.float32)
+            assert torch.count_nonzero(res) == 0 and torch.count_nonzero(h) == 0
+            res2, h2 = triton_ops.add_rmsnorm(y, torch.randn(T, D), w, 1e-6)
+            assert torch.count_nonzero(h2) == 0
+        logits = torch.randn(3, 16)
+        idx, wt = triton_ops.route(logits, 4, True, torch.float32)
+        assert idx.dtype == torch.int64 or idx.dtype == torch.int32
+        assert torch.count_nonzero(idx) == 0 and torch.count_nonzero(wt) == 0
+    assert len(rec) == 5
+    keys = [triton_ops._spec_key(k, a, kw) for k, _, a, kw in rec]
+    assert keys[0] == keys[2] and keys[1] == keys[3]  # T=1 and T=64: one specialisation each
+    assert keys[0] != keys[1]  # with and without a residual: two
+    assert len(set(keys)) == 3
+
+
+def test_precompile_dedupes_and_builds_launchers_on_threads():
+    k = _Kernel(["x", "T", "D"], do_not_specialize=["T"])
+    x = torch.zeros(8)
+    launches = [(k, (1,), (x, 1, 64), {"BLOCK": 16}), (k, (64,), (x, 64, 64), {"BLOCK": 16}),  # one key (T free)
+                (k, (1,), (x, 1, 64), {"BLOCK": 32}),  # another constexpr
+                (k, (1,), (x, 1, 40), {"BLOCK": 16})]  # D 40: not a multiple of 16, specialised apart
+    got = triton_ops.precompile(launches)
+    assert got["launches"] == 4 and got["specialisations"] == 3
+    assert len(k.warmups) == 3 and k.inits == 3
+    assert all(name.startswith("moecg-precompile") for name, _, _ in k.warmups)
+    assert sorted(kw["BLOCK"] for _, _, kw in k.warmups) == [16, 16, 32]
+
+
+def test_precompile_propagates_compile_errors():
+    class Bad(_Kernel):
+        def warmup(self, *args, grid, **kwargs):
+            raise ValueError("does not compile")
+    with pytest.raises(ValueError, match="does not compile"):
+        triton_ops.precompile([(Bad(["x"]), (1,), (torch.zeros(2),), {})])
+
+
+@pytest.mark.parametrize("preset", ["qwen2_moe_tiny", "qwen3_moe_tiny", "mixtral_tiny"])
+def test_capture_precompile_pass_runs_every_bucket_dry(preset, monkeypatch):
+    """Capture._precompile with the Triton ops on CPU: every bucket's whole step runs dry (the torch ops between the
+    kernels run on zeros without error), every op kind of the step is recorded, and the engine's cache lengths and
+    counters are as before."""
+    model = build_model(preset, dtype="bf16", device="cpu", seed=0).model
+    attach(model, make_dispatcher("fused"), max_rows=4)
+    try:
+        eng = DecodeEngine(model, 32, 4)
+        cap = Capture(eng, "full", buckets=(1, 2, 4), backend="emulate", kernels="fused")
+        cap.fast.ops, cap.fast.backend = triton_ops, "triton"
+        seen = {}
+        monkeypatch.setattr(triton_ops, "precompile", lambda launches: seen.setdefault("launches", list(launches))
+                            and {"launches": len(launches), "specialisations": -1, "seconds": 0.0})
+        eng.decode_forward = cap.fast
+        lengths = eng.cache.save_lengths()
+        before = state_of(model).snapshot()
+        cap._precompile([4, 2, 1])
+        names = {k.__name__ if hasattr(k, "__name__") else k.fn.__name__ for k, _, _, _ in seen["launches"]}
+        n_layers = len(cap.fast.layers)
+        assert {"_add_rmsnorm_kernel", "_rope_cache_kernel", "_attn_decode_kernel"} <= names
+        assert names & {"_route_kernel", "_norm_route_kernel"}
+        assert sum(1 for k, *_ in seen["launches"] if "attn" in str(getattr(k, "__name__", k))) == 3 * n_layers
+        assert cap.precompiled["specialisations"] == -1
+        assert eng.cache.save_lengths() == lengths if not torch.is_tensor(lengths) else torch.equal(
+            eng.cache.save_lengths(), lengths)
+        assert state_of(model).snapshot() == before
+    finally:
+        eng.decode_forward = None
+        detach(model)
