@@ -168,6 +168,11 @@ def precompile(launches, workers: int | None = None) -> dict:
         if init is not None:
             init()
 
+    try:  # Triton's hash of its own sources (lru-cached): once here, not once per thread racing to fill the cache
+        from triton.runtime.cache import triton_key
+        triton_key()
+    except ImportError:
+        pass
     n = workers or min(len(todo), os.cpu_count() or 1, 16)
     with concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="moecg-precompile") as pool:
         for f in [pool.submit(build, item) for item in todo.values()]:
