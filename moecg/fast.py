@@ -8,7 +8,7 @@ but needs 15-50 s to compile per batch size. This module instead runs the same m
 large kernels, each with a pure-PyTorch reference (`moecg.kernels.ref`) and a Triton version:
 
   per layer: qkv GEMM (one, with bias) | q/k norm + rotary + KV write | decode attention (split contexts merged
-             in the kernel) | o GEMM | residual add + RMSNorm | router (+ shared expert gate/up + its gate) GEMM
+             in the kernel) | o GEMM (qkv and o: a Triton GEMV at small batches, ops.linear's table) | residual add + RMSNorm | router (+ shared expert gate/up + its gate) GEMM
              (one) | router kernel | [shared SiLU-mul | shared down GEMM, on a second stream] | routed experts
              (dispatcher) | shared gate + residual + next RMSNorm; a router that is its own linear (no shared
              expert) runs residual add + RMSNorm + router GEMV + top-k as one kernel (norm_route)
@@ -338,12 +338,12 @@ class FastDecode:
         for i, L in enumerate(self.layers):
             if self.on_layer is not None:  # set by Capture while capturing, so a failure names its layer
                 self.on_layer(i)
-            qkv = F.linear(h, L.wqkv, L.bqkv)  # [T, (Hq+2Hkv)*Dh]
+            qkv = ops.linear(h, L.wqkv, L.bqkv)  # [T, (Hq+2Hkv)*Dh]
             q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
                                L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
             o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
                                 sinks=L.sinks, eager=self.eager_attn)  # [T, Hq*Dh]
-            a = F.linear(o, L.wo, L.bo)  # [T, D]
+            a = ops.linear(o, L.wo, L.bo)  # [T, D]
             if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel
                 res, h, idx, w = ops.norm_route(a, res, L.post_w, L.post_eps, L.wcat[: L.n_experts], L.top_k,
                                                 L.norm_topk, L.route_dtype, router_logit_bias(L.router), cast_last=cl)

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
@@ -351,3 +352,25 @@ def test_capture_precompile_leaves_nothing_to_compile_and_same_bits(monkeypatch)
         detach(m)
     assert torch.equal(outs[0].tokens, outs[1].tokens)
     assert all(torch.equal(a, c) for a, c in zip(outs[0].logits, outs[1].logits))
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 16])
+def test_small_batch_gemv_matches_cublas(T):
+    """triton_ops.linear (the Triton GEMV) at the qkv / o shapes of the three families (Qwen1.5's qkv with bias), at
+    the table's tiles and at others: within bf16 rounding of F.linear; above 16 rows it is F.linear."""
+    from moecg.kernels.tiles import GemvTiles, gemv_tiles
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    for N, K, bias in ((6144, 2048, True), (2048, 2048, False), (5120, 2048, False), (2048, 4096, False),
+                       (6144, 4096, False), (4096, 4096, False), (100, 200, True)):
+        x = torch.randn(T, K, device="cuda", generator=g).to(BF)
+        w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(BF)
+        b = torch.randn(N, device="cuda", generator=g).to(BF) if bias else None
+        want = F.linear(x.float(), w.float(), b.float() if b is not None else None)
+        for tiles in (gemv_tiles(T, N, K) or GemvTiles(), GemvTiles(32, 128, 4, 4), GemvTiles(16, 512, 8, 3)):
+            got = tri.linear(x, w, b, tiles=tiles)
+            assert got.shape == (T, N) and got.dtype == BF
+            _close(got, want, rtol=1e-2, atol=1e-2)
+    x = torch.randn(17, 64, device="cuda", dtype=BF)
+    w = torch.randn(32, 64, device="cuda", dtype=BF)
+    assert torch.equal(tri.linear(x, w, tiles=GemvTiles()), F.linear(x, w))

@@ -98,4 +98,15 @@ for preset in ("qwen2_moe_tiny", "qwen3_moe_tiny"):
     prompts = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
     for step in fused_backends_agree(model, prompts, 32, 6, preset):
         assert any(L.norm_route for L in step.layers) == (preset == "qwen3_moe_tiny")
+# the small-batch GEMV: N not a multiple of the column block, K not a multiple of the K step, with and without bias,
+# T up to the one row block (16); above it, and where the table has no rule, F.linear
+from moecg.kernels.tiles import GemvTiles  # noqa: E402
+
+for Tg in (1, 3, 16):
+    xg, wg, bg = torch.randn(Tg, 72), torch.randn(40, 72), torch.randn(40)
+    for bias in (None, bg):
+        for tl_ in (GemvTiles(block_n=16, block_k=32), GemvTiles(block_n=32, block_k=64)):
+            close(ref.linear(xg, wg, bias), tri.linear(xg, wg, bias, tiles=tl_), 1e-4)
+x17 = torch.randn(17, 72)
+assert torch.equal(tri.linear(x17, wg, tiles=GemvTiles()), torch.nn.functional.linear(x17, wg))  # 17 rows: cuBLAS
 print("ALL OK")

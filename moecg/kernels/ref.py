@@ -194,6 +194,12 @@ def route_topk_softmax(logits, top_k: int):
 
 
 # ------------------------------------------------------------------------------------------------------------
+def linear(x, w, bias=None, tiles=None):
+    """x [T, K] @ w [N, K]^T (+ bias [N]) -> [T, N] in x's dtype: F.linear (cuBLAS on CUDA), fp32 accumulation,
+    rounded once. tiles: the Triton GEMV's tile choice (moecg.kernels.tiles.GemvTiles); no meaning here."""
+    return F.linear(x, w, bias)
+
+
 def silu_mul(gu, inter: int):
     """gu [T, >= 2I] (gate | up, maybe more columns after) -> silu(gate) * up [T, I], rounded as HF's MLP."""
     return F.silu(gu[:, :inter]) * gu[:, inter: 2 * inter]

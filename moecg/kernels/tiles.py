@@ -61,3 +61,37 @@ def moe_tiles(T: int, D: int, I: int, E: int) -> MoeTiles:  # noqa: E741
         if rule.holds(T, D, I, E):
             return rule.tiles
     return DEFAULT
+
+
+# -- small-batch linears (the decode step's qkv and o projections) ------------------------------------------------
+@dataclass(frozen=True)
+class GemvTiles:
+    block_n: int = 16  # output columns (rows of W) per program
+    block_k: int = 256  # K step of the loop
+    warps: int = 4
+    stages: int = 4
+
+
+@dataclass(frozen=True)
+class GemvRule:
+    tiles: GemvTiles
+    tokens: tuple = _ANY  # T
+    out: tuple = _ANY  # N
+    inner: tuple = _ANY  # K
+
+    def holds(self, T: int, N: int, K: int) -> bool:
+        return all(lo <= v < hi for v, (lo, hi) in ((T, self.tokens), (N, self.out), (K, self.inner)))
+
+
+# Where the Triton GEMV (triton_ops.linear) replaces cuBLAS: first rule whose ranges hold (T, N, K); none: cuBLAS.
+# From experiments/bench_gemv.py on an H200 (results/h200/issue14_s5/gemv_*.md).
+GEMV_RULES: tuple[GemvRule, ...] = (
+    GemvRule(GemvTiles(), tokens=(1, 9)),
+)
+
+
+def gemv_tiles(T: int, N: int, K: int) -> GemvTiles | None:
+    for rule in GEMV_RULES:
+        if rule.holds(T, N, K):
+            return rule.tiles
+    return None

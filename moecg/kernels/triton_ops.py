@@ -12,6 +12,7 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -572,8 +573,7 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
     idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(T, top_k, dtype=out_dtype, device=logits.device)
     _launch(_route_kernel, (T,), logits, idx, w, T, E, logits.stride(0), K=top_k, NORM=normalize, BLOCK_E=_p2(E),
-                        num_warps=1,
-        **_pdl_args(logits.device))
+            num_warps=1, **_pdl_args(logits.device))
     return idx, w
 
 
@@ -752,8 +752,7 @@ def route_topk_softmax(logits, top_k: int):
     idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
     _launch(_route_topk_softmax_kernel, (T,), logits, idx, w, T, E, logits.stride(0), K=top_k, KP=_p2(top_k),
-                                     BLOCK_E=_p2(E), num_warps=1 if E <= 256 else 4,
-        **_pdl_args(logits.device))
+            BLOCK_E=_p2(E), num_warps=1 if E <= 256 else 4, **_pdl_args(logits.device))
     return idx, w
 
 
@@ -776,10 +775,56 @@ def silu_mul(gu, inter: int):
     T = gu.shape[0]
     assert gu.stride(1) == 1
     h = torch.empty(T, inter, dtype=gu.dtype, device=gu.device)
-    _launch(_silu_mul_kernel, (T, triton.cdiv(inter, 1024)), gu, h, T, inter, gu.stride(0), h.stride(0), BLOCK=1024,
-                                                     num_warps=4,
-        **_pdl_args(gu.device))
+    _launch(_silu_mul_kernel, (T, triton.cdiv(inter, 1024)), gu, h, T, inter, gu.stride(0), h.stride(0),
+            BLOCK=1024, num_warps=4, **_pdl_args(gu.device))
     return h
+
+
+# ------------------------------------------------------------------------------------------------------------
+# small-batch linear y [T, N] = x [T, K] @ w [N, K]^T (+ bias): one program per BLOCK_N output columns streams its
+# rows of W once for all T rows (T <= 16: one tl.dot row block), fp32 accumulation, bias added before the one
+# rounding (as cuBLAS's epilogue). cuBLAS runs these decode shapes as split-K GEMMs plus a reduce kernel; this is one
+# kernel with no workspace. Which shapes take it: moecg.kernels.tiles.gemv_tiles (a table from bench_gemv.py).
+@triton.jit(do_not_specialize=["T"])
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    _pdl_enter(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    t = tl.arange(0, BLOCK_T)
+    tm = t < T
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + t[:, None] * s_yt + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=tm[:, None] & nm[None, :])
+
+
+GEMV_MAX_T = 16  # rows one program's tl.dot block holds
+
+
+@_dry_zeros
+def linear(x, w, bias=None, tiles=None):
+    """As ref.linear. tiles: a moecg.kernels.tiles.GemvTiles (the Triton GEMV) or None: the table's choice for this
+    shape (gemv_tiles), which is cuBLAS (F.linear) where no rule holds."""
+    from moecg.kernels.tiles import gemv_tiles
+
+    T, K = x.shape
+    N = w.shape[0]
+    t = tiles or gemv_tiles(T, N, K)
+    if t is None or T > GEMV_MAX_T or x.stride(1) != 1 or w.stride(1) != 1 or (bias is not None and
+                                                                                bias.stride(0) != 1):
+        return F.linear(x, w, bias)
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    _launch(_gemv_kernel, (triton.cdiv(N, t.block_n),), x, w, bias if bias is not None else y, y, T, N, K,
+            x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=16, BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages, **_pdl_args(x.device))
+    return y
 
 
 # ------------------------------------------------------------------------------------------------------------
