@@ -245,5 +245,8 @@ def test_kernels_compile_for_hopper():
                                        BLOCK_EP=128, USE_PDL=2))
     build(tri._add_rmsnorm_kernel, dict(KK=4, HAS_RES=True, HAS_SHARED=True, HAS_SGATE=True, HAS_VALID=False,
                                         CAST_LAST=False, BLOCK_D=2048, USE_PDL=2))
-    for bias in (False, True):  # the small-batch GEMV at the table's tiles
-        build(tri._gemv_kernel, dict(HAS_BIAS=bias, BLOCK_T=16, BLOCK_N=16, BLOCK_K=256, USE_PDL=2))
+    from moecg.kernels.tiles import GEMV_RULES
+    for i, rule in enumerate(GEMV_RULES):  # the small-batch GEMV at the table's tiles
+        t = rule.tiles
+        build(tri._gemv_kernel, dict(HAS_BIAS=i == 0, BLOCK_T=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, USE_PDL=2),
+              stages=t.stages)
