@@ -12,7 +12,8 @@ Variants (names: `+`-joined switches on top of `base`):
   splitN   the down GEMM split N ways over I (MoeTiles.down_split), partials added once in order, in the kernel
   overlap  the shared expert (silu-mul + down GEMM) on a second stream beside the routed experts
   router   residual add + norm + router GEMV + top-k as one kernel where the router is its own linear
-  gemv     the qkv and o projections on the Triton GEMV where moecg.kernels.tiles.GEMV_RULES say (else cuBLAS)
+  gemv     the qkv and o projections on the Triton GEMV where moecg.kernels.tiles.GEMV_RULES say (else cuBLAS);
+           gemv1: the same, the GEMV not triggering its successor early (GemvTiles.pdl_trigger False)
   pdl      programmatic dependent launch for every Triton kernel of the step, each triggering its successor's
            launch at its start (triton_ops.PDL mode 2); pdl1: each only waits (mode 1: the successor launches as
            its blocks exit)
@@ -43,13 +44,13 @@ from moecg.models import build_model
 from moecg.report import env_fields, write_report
 from profile_step import kernel_table  # same directory: the per-kernel profile
 
-SWITCHES = ("slot", "overlap", "router", "gemv")
+SWITCHES = ("slot", "overlap", "router", "gemv", "gemv1")
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.MoeTiles) if f.name != "down_split")
 
 
 def parse_variant(name: str) -> dict:
     parts = [p for p in name.split("+") if p != "base"]
-    v = {"slot": False, "overlap": False, "router": False, "gemv": False, "pdl": 0, "split": 1}
+    v = {"slot": False, "overlap": False, "router": False, "gemv": False, "gemv1": False, "pdl": 0, "split": 1}
     for p in parts:
         if p in SWITCHES:
             v[p] = True
@@ -74,7 +75,8 @@ def set_variant(v: dict) -> None:
     triton_ops.PDL = v["pdl"]
     FastDecode.overlap_shared = v["overlap"]
     FastDecode.fuse_router = v["router"]
-    tiles_mod.GEMV_RULES = GEMV_RULES if v["gemv"] else ()  # () : every projection on cuBLAS
+    tiles_mod.GEMV_RULES = (GEMV_RULES if v["gemv"] else ()) if not v["gemv1"] else tuple(  # (): all cuBLAS
+        dataclasses.replace(r, tiles=dataclasses.replace(r.tiles, pdl_trigger=False)) for r in GEMV_RULES)
 
     def moe_experts(*a, tiles=None, grid="auto", **kw):
         if tiles is None:  # moe_experts(x [T, D], idx [T, K], w, gate_up, down, ...): the table's tiles

@@ -70,6 +70,7 @@ class GemvTiles:
     block_k: int = 256  # K step of the loop
     warps: int = 4
     stages: int = 4
+    pdl_trigger: bool = True  # under PDL mode 2, trigger the successor's launch at the start (False: as blocks exit)
 
 
 @dataclass(frozen=True)

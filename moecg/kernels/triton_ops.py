@@ -823,7 +823,7 @@ def linear(x, w, bias=None, tiles=None):
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     _launch(_gemv_kernel, (triton.cdiv(N, t.block_n),), x, w, bias if bias is not None else y, y, T, N, K,
             x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=16, BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages, **_pdl_args(x.device))
+            BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages, **_pdl_args(x.device, t.pdl_trigger))
     return y
 
 
