@@ -75,12 +75,15 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--ring-mib", type=int, default=512, help="weight copies per shape, in MiB (> L2)")
+    ap.add_argument("--pdl", type=int, default=0, help="triton_ops.PDL for the GEMV calls (0: plain launches, as "
+                                                        "cuBLAS's; 2 chains the back-to-back GEMVs, flattering them)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("bench_gemv.py times CUDA kernels: run it on a GPU")
     dt = torch.bfloat16
+    triton_ops.PDL = args.pdl
     rows = []
     for preset in args.presets:
         for proj, N, K, has_bias in shapes(preset):
@@ -112,7 +115,8 @@ def main(argv=None):
             torch.cuda.empty_cache()
     env = env_fields()
     lines = [f"qkv / o projections, bf16, {env['device_name']}, torch {env['torch_version']}, commit {env['git_sha']}: "
-             f"µs per call in a CUDA graph of {args.reps} calls on a > L2 weight ring, median of {args.repeats}; "
+             f"µs per call in a CUDA graph of {args.reps} calls on a > L2 weight ring, median of {args.repeats}, "
+             f"triton_ops.PDL {args.pdl}; "
              "best GEMV config per row and its speed-up on cuBLAS", "",
              "| preset | proj | N x K | T | cuBLAS µs (GB/s) | best GEMV | µs (GB/s) | cuBLAS / GEMV | max diff |",
              "|---|---|---|---|---|---|---|---|---|"]

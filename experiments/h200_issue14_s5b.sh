@@ -2,7 +2,7 @@
 # Issue 14 on one H200, session 5, round B: the step with the GEMV table (per-shape tiles from bench_gemv.py) against
 # cuBLAS projections; capture time with the precompile pass; the trained stdlib models' agreement with HF eager; the
 # floor table (bench_vs_compile.py, one process per shape) of the three main shapes.
-#   MOECG_GIT_SHA=<sha> bash experiments/h200_issue14_s5b.sh OUTDIR [variants,capture,fidelity,floor,deep]
+#   MOECG_GIT_SHA=<sha> bash experiments/h200_issue14_s5b.sh OUTDIR [variants,capture,fidelity,gemv,floor,deep]
 set -u -o pipefail
 OUT=${1:-experiments/results/h200/issue14_s5}
 WHAT=${2:-variants,capture,fidelity,floor}
@@ -36,6 +36,10 @@ step() {  # preset layers strategies...
     --json "$OUT/step_${preset}_${layers}.json" 2>&1 | tee "$OUT/step_${preset}_${layers}.log" \
     | grep -E "own floor|failed|Error" | head -4
 }
+if has gemv; then  # plain launches (PDL 0): the first run (gemv.md) chained the GEMVs by PDL
+  python3 experiments/bench_gemv.py --pdl 0 --out "$OUT/gemv_pdl0.md" --json "$OUT/gemv_pdl0.json" 2>&1 \
+    | tee "$OUT/gemv_pdl0.log" | grep -E "^\| [a-z]|failed"
+fi
 if has floor; then
   step qwen1_5_moe_a2_7b 24 full+fused
   step mixtral_8x7b 8 full+fused
