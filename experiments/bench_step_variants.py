@@ -17,6 +17,7 @@ Variants (names: `+`-joined switches on top of `base`):
   pdl      programmatic dependent launch for every Triton kernel of the step, each triggering its successor's
            launch at its start (triton_ops.PDL mode 2); pdl1: each only waits (mode 1: the successor launches as
            its blocks exit)
+  nw=N     add_rmsnorm with N warps (moecg.kernels.tiles.norm_warps)
   F=N      a MoE tile field (moecg.kernels.tiles.MoeTiles: up_n, up_k, down_n, down_k, warps, stages, block_m)
 Each variant is captured (strategy full, capture.kernels=fused, dispatch=fused, the one bucket = the batch) and
 timed by CUDA events over --replays back-to-back replays, median of --repeats; the step's logits from one fixed
@@ -58,16 +59,18 @@ def parse_variant(name: str) -> dict:
             v["pdl"] = 1 if p == "pdl1" else 2
         elif p.startswith("split") and p[5:].isdigit():
             v["split"] = int(p[5:])
+        elif p.startswith("nw=") and p[3:].isdigit():  # add_rmsnorm's warps (tiles.norm_warps)
+            v["nw"] = int(p[3:])
         elif "=" in p and p.split("=")[0] in TILE_FIELDS:  # a MoE tile field, e.g. down_n=32
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, F=N)")
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, F=N)")
     return v
 
 
 MOE_EXPERTS, MOE_TILES = triton_ops.moe_experts, tiles_mod.moe_tiles  # the originals, which set_variant wraps
-GEMV_RULES = tiles_mod.GEMV_RULES
+GEMV_RULES, NORM_WARPS = tiles_mod.GEMV_RULES, tiles_mod.norm_warps
 
 
 def set_variant(v: dict) -> None:
@@ -75,6 +78,7 @@ def set_variant(v: dict) -> None:
     triton_ops.PDL = v["pdl"]
     FastDecode.overlap_shared = v["overlap"]
     FastDecode.fuse_router = v["router"]
+    tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
     tiles_mod.GEMV_RULES = (GEMV_RULES if v["gemv"] else ()) if not v["gemv1"] else tuple(  # (): all cuBLAS
         dataclasses.replace(r, tiles=dataclasses.replace(r.tiles, pdl_trigger=False)) for r in GEMV_RULES)
 

@@ -162,18 +162,24 @@ class Capture:
 
     def _precompile(self, order) -> None:
         """kernels=fused on Triton: run each bucket's step once dry (moecg.kernels.triton_ops.dry_run: its launches
-        recorded, not run; the torch ops between them run on zeros), then compile every distinct kernel
-        specialisation on a thread pool before the warmups, instead of one after another inside the first warmups."""
+        recorded, not run; the torch ops between them run on zeros), each distinct kernel specialisation compiling
+        on a thread pool as soon as it is recorded; all done before the warmups, instead of one after another inside
+        the first warmups."""
         from moecg.kernels import triton_ops
 
         eng, state = self.engine, state_of(self.engine.model)
-        with triton_ops.dry_run() as launches:
-            for b in order:
-                with eng.scratch(), torch.no_grad(), state.rows(b):
-                    state.set_rows(b, b)
-                    eng.ids[:b].zero_()
-                    eng.eager_step(eng.ids, b)
-        self.precompiled = triton_ops.precompile(launches)
+        pre = triton_ops.Precompiler()
+        try:
+            with triton_ops.dry_run(pre):
+                for b in order:
+                    with eng.scratch(), torch.no_grad(), state.rows(b):
+                        state.set_rows(b, b)
+                        eng.ids[:b].zero_()
+                        eng.eager_step(eng.ids, b)
+        except BaseException:
+            pre.cancel()
+            raise
+        self.precompiled = pre.wait()
 
     @contextmanager
     def _track_layer(self):

@@ -102,3 +102,8 @@ def gemv_tiles(T: int, N: int, K: int) -> GemvTiles | None:
         if rule.holds(T, N, K):
             return rule.tiles
     return None
+
+
+def norm_warps(T: int, D: int, KK: int) -> int:
+    """Warps of add_rmsnorm's one program per row (it reads KK partial rows of D fp32, the residual and the weight)."""
+    return 4 if D <= 4096 else 8

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moecg.kernels import tiles as _tiles
+
 
 def _p2(n: int) -> int:
     return triton.next_power_of_2(int(n))
@@ -86,14 +88,18 @@ def _pdl_enter(MODE: tl.constexpr):
 # Every launch goes through _launch. Inside `dry_run()` nothing launches: each launch is recorded (kernel, grid,
 # arguments) and every public op returns zeros of its outputs' shapes (the launches that would have written them
 # did not run), so a step run dry goes on safely (zeros are valid indices and weights for any torch op after).
-# `precompile(launches)` then compiles the distinct specialisations on a thread pool: Triton's code generation holds
-# the GIL, but its ptxas and launcher (C compiler) subprocesses, about half of a cold compile, overlap.
+# A Precompiler given to dry_run compiles each distinct specialisation on a thread pool as soon as it is recorded:
+# Triton's code generation holds the GIL, but its ptxas and launcher (C compiler) subprocesses, about half of a cold
+# compile, overlap each other and the rest of the dry pass.
 _DRY: list | None = None
+_PRE = None  # the active dry_run's Precompiler, if any
 
 
 def _launch(kernel, grid, *args, **kwargs):
     if _DRY is not None:
         _DRY.append((kernel, grid, args, kwargs))
+        if _PRE is not None:
+            _PRE.submit(kernel, grid, args, kwargs)
         return
     kernel[grid](*args, **kwargs)
 
@@ -112,16 +118,18 @@ def _dry_zeros(fn):
 
 
 @contextlib.contextmanager
-def dry_run():
-    """Record the Triton launches of what runs inside, instead of launching them; yields the list."""
-    global _DRY
+def dry_run(precompiler=None):
+    """Record the Triton launches of what runs inside, instead of launching them; yields the list. precompiler: a
+    Precompiler that each recorded launch is submitted to (compiled meanwhile; its wait() gives the record)."""
+    global _DRY, _PRE
     if _DRY is not None:
         raise RuntimeError("dry_run() is already active")
-    _DRY = rec = []
+    rec = []
+    _DRY, _PRE = rec, precompiler
     try:
         yield rec
     finally:
-        _DRY = None
+        _DRY = _PRE = None
 
 
 def _spec_key(kernel, args, kwargs) -> tuple:
@@ -144,41 +152,70 @@ def _spec_key(kernel, args, kwargs) -> tuple:
             tuple(sorted((k, one(-1, v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items())))
 
 
+def _build(kernel, grid, args, kwargs) -> None:
+    """Compile one launch's specialisation without running it, and build its launcher (a C module per signature)."""
+    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if dev is not None and dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:
+        init()
+
+
+class Precompiler:
+    """Compiles each distinct specialisation submitted (kernel, grid, args, kwargs) once, on a thread pool; wait()
+    joins them, re-raises the first error and returns {"launches", "specialisations", "seconds"} (from creation).
+    Under the CPU interpreter, or for kernels that are not Triton JIT functions, nothing compiles."""
+
+    def __init__(self, workers: int | None = None):
+        import concurrent.futures
+        import time
+
+        self._t0 = time.perf_counter()
+        self.launches = 0
+        self._futures: dict = {}
+        self._off = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        if not self._off:
+            try:  # Triton's hash of its own sources (lru-cached): once here, not once per thread racing to fill it
+                from triton.runtime.cache import triton_key
+                triton_key()
+            except ImportError:
+                pass
+        n = workers or min(os.cpu_count() or 1, 16)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="moecg-precompile")
+
+    def submit(self, kernel, grid, args, kwargs) -> None:
+        self.launches += 1
+        if self._off or not hasattr(kernel, "warmup"):
+            return
+        key = _spec_key(kernel, args, kwargs)
+        if key not in self._futures:
+            self._futures[key] = self._pool.submit(_build, kernel, grid, args, kwargs)
+
+    def cancel(self) -> None:
+        """Drop what has not started (the dry pass failed); running compiles finish in the background."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def wait(self) -> dict:
+        import time
+
+        try:
+            for f in self._futures.values():
+                f.result()
+        finally:
+            self._pool.shutdown(wait=True)
+        return {"launches": self.launches, "specialisations": len(self._futures),
+                "seconds": time.perf_counter() - self._t0}
+
+
 def precompile(launches, workers: int | None = None) -> dict:
-    """Compile (and build the launcher of) each distinct specialisation among `launches` (from dry_run) on a thread
-    pool, so the launches that follow find every kernel compiled. Returns {"launches", "specialisations",
-    "seconds"}. Under the CPU interpreter there is nothing to compile."""
-    import concurrent.futures
-    import time
-
-    t0 = time.perf_counter()
-    todo = {}
+    """Compile each distinct specialisation among `launches` (from dry_run) on a thread pool (Precompiler), so the
+    launches that follow find every kernel compiled; returns the Precompiler's record."""
+    pre = Precompiler(workers)
     for kernel, grid, args, kwargs in launches:
-        todo.setdefault(_spec_key(kernel, args, kwargs), (kernel, grid, args, kwargs))
-    if not todo or not hasattr(next(iter(todo.values()))[0], "warmup") or \
-            os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return {"launches": len(launches), "specialisations": 0, "seconds": 0.0}
-
-    def build(item):
-        kernel, grid, args, kwargs = item
-        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        if dev is not None and dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        compiled = kernel.warmup(*args, grid=grid, **kwargs)
-        init = getattr(compiled, "_init_handles", None)  # the launcher (a C module, compiled once per signature)
-        if init is not None:
-            init()
-
-    try:  # Triton's hash of its own sources (lru-cached): once here, not once per thread racing to fill the cache
-        from triton.runtime.cache import triton_key
-        triton_key()
-    except ImportError:
-        pass
-    n = workers or min(len(todo), os.cpu_count() or 1, 16)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="moecg-precompile") as pool:
-        for f in [pool.submit(build, item) for item in todo.values()]:
-            f.result()
-    return {"launches": len(launches), "specialisations": len(todo), "seconds": time.perf_counter() - t0}
+        pre.submit(kernel, grid, args, kwargs)
+    return pre.wait()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -237,7 +274,7 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
         shared.stride(0) if shared is not None else 0, shared_gate.stride(0) if shared_gate is not None else 0,
         new_res.stride(0), normed.stride(0),
         KK=KK, HAS_RES=residual is not None, HAS_SHARED=shared is not None, HAS_SGATE=shared_gate is not None,
-        HAS_VALID=valid is not None, CAST_LAST=cast_last, BLOCK_D=_p2(D), num_warps=4 if D <= 4096 else 8,
+        HAS_VALID=valid is not None, CAST_LAST=cast_last, BLOCK_D=_p2(D), num_warps=_tiles.norm_warps(T, D, KK),
         **_pdl_args(y.device))
     return new_res, normed
 
@@ -783,8 +820,8 @@ def silu_mul(gu, inter: int):
 # ------------------------------------------------------------------------------------------------------------
 # small-batch linear y [T, N] = x [T, K] @ w [N, K]^T (+ bias): one program per BLOCK_N output columns streams its
 # rows of W once for all T rows (T <= 16: one tl.dot row block), fp32 accumulation, bias added before the one
-# rounding (as cuBLAS's epilogue). cuBLAS runs these decode shapes as split-K GEMMs plus a reduce kernel; this is one
-# kernel with no workspace. Which shapes take it: moecg.kernels.tiles.gemv_tiles (a table from bench_gemv.py).
+# rounding (as cuBLAS's epilogue). cuBLAS runs some of these decode shapes as a split-K GEMM plus a reduce kernel;
+# this is one kernel with no workspace. Which shapes take it: moecg.kernels.tiles.gemv_tiles (a table from bench_gemv.py).
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0):
