@@ -105,5 +105,10 @@ def gemv_tiles(T: int, N: int, K: int) -> GemvTiles | None:
 
 
 def norm_warps(T: int, D: int, KK: int) -> int:
-    """Warps of add_rmsnorm's one program per row (it reads KK partial rows of D fp32, the residual and the weight)."""
+    """Warps of add_rmsnorm's one program per row (it reads KK partial rows of D fp32, the residual and the weight).
+    D <= 2048: 16, more loads in flight for a kernel that runs one program at batch 1 (H200, issue14_s5/
+    variants_*_norm.md: the Qwen3 step -1.2% at bs 1 and -1.7% at bs 8, Qwen1.5's -2.8% and -1.5%; the sum of squares
+    then adds in another order, so the bits can move within fp32 rounding); wider rows unmeasured: as before."""
+    if D <= 2048:
+        return 16
     return 4 if D <= 4096 else 8
