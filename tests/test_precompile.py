@@ -132,3 +132,24 @@ def test_capture_precompile_pass_runs_every_bucket_dry(preset, monkeypatch):
     finally:
         eng.decode_forward = None
         detach(model)
+
+
+def test_every_launch_goes_through_launch_and_every_op_returns_dry_zeros():
+    """The dry pass is only safe and complete if no kernel is launched directly (`kernel[grid](...)`) and every public
+    op that launches returns zeros while dry (@_dry_zeros); a new kernel that skips either fails here."""
+    import ast
+    import inspect
+
+    from moecg.kernels import capacity_ops
+
+    for mod in (triton_ops, capacity_ops):
+        tree = ast.parse(inspect.getsource(mod))
+        direct = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)
+                  and n.value.id.endswith("_kernel")]
+        assert not direct, f"{mod.__name__}: kernel[grid] launches at lines {direct}; use _launch(kernel, grid, ...)"
+        for fn in tree.body:
+            if not isinstance(fn, ast.FunctionDef) or fn.name.startswith("_"):
+                continue
+            launches = any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "_launch" for n in ast.walk(fn))
+            decorated = any(getattr(d, "id", None) == "_dry_zeros" for d in fn.decorator_list)
+            assert decorated or not launches, f"{mod.__name__}.{fn.name} launches kernels but is not @_dry_zeros"
