@@ -464,9 +464,10 @@ def _kv_bytes_per_layer(plan: RunPlan, dtype_bytes: int) -> int:
 
 
 def _prefill_tokens(plan: RunPlan) -> int:
-    """Prompt tokens per row in one prefill forward (a one-token tail joins the chunk before it)."""
-    c = plan.prefill_chunk
-    return plan.prompt_len if c is None or plan.prompt_len <= c + 1 else c + 1
+    """Prompt tokens per row in the largest prefill forward (the engine's chunk_bounds)."""
+    from moecg.engine import chunk_bounds
+
+    return max(e - s for s, e in chunk_bounds(plan.prompt_len, plan.prefill_chunk))
 
 
 def estimate_memory(plan: RunPlan) -> int:
