@@ -14,9 +14,11 @@ times: `Capture(engine, ...)` + `.apply()`, every bucket largest first, split as
               on a thread pool (Capture.precompile; --no-precompile: none, the first warmups compile)
   first warm  each bucket's first warmup call: the step's first run at that shape, Triton's JIT compiles included
   jit (est.)  first warm minus the bucket's later warmup calls' mean: what the first call cost beyond a step
+              (with capture.warmup 1 there is no later call, so it is the whole first warmup)
   warmups     the later warmup calls (capture.warmup - 1 per bucket): eager steps
   graphs      the captures themselves (CUDA graph recording + one sync per bucket)
   other       apply() minus the above (cache resets, bookkeeping)
+--recapture: then a second Capture of the same engine in that process (what a sweep pays per configuration).
 `new cache files`: files the process added to the Triton cache directory (0 when warm compiled nothing).
 On CPU graphs are emulated (a capture re-runs the step eagerly) and there is no Triton: the split is only a smoke test.
 """
@@ -109,6 +111,17 @@ def measure(args) -> dict:
             _write_profile(prof, args.profile_out)
         stats = cap.stats()
         cap.unwrap()
+        recapture_s = None
+        if args.recapture:  # the same engine captured again in this process: every kernel already in memory
+            del cap
+            t2 = time.perf_counter()
+            cap2 = Capture(engine, args.strategy, buckets=buckets, backend=backend, warmup=args.warmup,
+                           kernels=args.kernels)
+            cap2.precompile = not args.no_precompile
+            cap2.apply()
+            sync()
+            recapture_s = time.perf_counter() - t2
+            cap2.unwrap()
     finally:
         detach(model)
     order = sorted(buckets, reverse=True)  # Capture's order: largest first
@@ -123,7 +136,8 @@ def measure(args) -> dict:
     pre = stats["precompiled"] or {}
     tot["precompile_s"] = pre.get("seconds", 0.0)
     return {"capture_all_s": setup_s + apply_s, "setup_s": setup_s, "apply_s": apply_s, **tot,
-            "precompile": not args.no_precompile, "specialisations": pre.get("specialisations", 0),
+            "precompile": not args.no_precompile, "recapture_s": recapture_s,
+            "specialisations": pre.get("specialisations", 0),
             "other_s": apply_s - tot["precompile_s"] - tot["first_warmup_s"] - tot["steady_warmup_s"]
             - tot["graph_capture_s"],
             "graphs": stats["graphs"], "capture_backend": stats["capture_backend"],
@@ -160,6 +174,7 @@ def _child_argv(args, out: Path, what: str) -> list[str]:
             "--warmup", str(args.warmup), "--buckets", *map(str, args.buckets)]
     argv += ["--num-layers", str(args.num_layers)] if args.num_layers is not None else []
     argv += ["--no-precompile"] if args.no_precompile else []
+    argv += ["--recapture"] if args.recapture else []
     return argv + (["--profile-out", f"{args.profile}.{what}.txt"] if args.profile else [])
 
 
@@ -196,6 +211,9 @@ def report(rows: list[dict], args) -> str:
               "| bucket | " + " | ".join(r["run"] for r in rows) + " |", "|---|" + "---|" * len(rows)]
     for b in r0["buckets"]:
         lines.append(f"| {b} | " + " | ".join(f"{r['buckets'][b]['total_s']:.3f}" for r in rows) + " |")
+    if any(r.get("recapture_s") is not None for r in rows):
+        lines += ["", "re-capture of every bucket in the same process (Capture + apply, kernels in memory): " + ", ".join(
+            f"{r['run']} {r['recapture_s']:.2f} s" for r in rows if r.get("recapture_s") is not None)]
     by = {r["run"]: r["capture_all_s"] for r in rows}
     if r0["device"] != "cuda":
         lines += ["", f"issue 14's targets (cold <= {args.target_cold} s, warm <= {args.target_warm} s) are for a GPU "
@@ -226,6 +244,8 @@ def main(argv=None):
     ap.add_argument("--target-warm", type=float, default=0.5)
     ap.add_argument("--no-precompile", action="store_true", help="Capture.precompile = False: each kernel compiles "
                                                                    "inside the first warmup that launches it")
+    ap.add_argument("--recapture", action="store_true", help="after each run's capture, capture the same engine again "
+                                                              "in that process (what a sweep pays per configuration)")
     ap.add_argument("--profile", default=None, help="write each run's host-side cProfile of apply() to "
                                                     "PROFILE.cold.txt / PROFILE.warm.txt")
     ap.add_argument("--out", default=None)
