@@ -12,12 +12,13 @@ summation order differs).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+from bench_kernels import graph_time_us  # same directory: `reps` calls in one graph, median of replays
 
 from moecg.kernels import triton_ops
 from moecg.kernels.tiles import GemvTiles
@@ -39,33 +40,6 @@ def shapes(preset: str) -> list[tuple[str, int, int, bool]]:
     del b
     torch.cuda.empty_cache()
     return out
-
-
-def time_op(op, ring, reps: int, repeats: int) -> float:
-    """µs per call: `reps` calls (weights cycling through `ring`) captured in one graph, median of `repeats`."""
-    def burst():
-        for i in range(reps):
-            op(ring[i % len(ring)])
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        burst()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        burst()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        a, c = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        c.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(c) * 1e3 / reps)
-    return statistics.median(ts)
 
 
 def main(argv=None):
@@ -103,7 +77,8 @@ def main(argv=None):
                         op = lambda wb, t=tiles: triton_ops.linear(x, wb[0], wb[1], tiles=t)  # noqa: E731
                     try:
                         diff = float((op(ring[0]).float() - want.float()).abs().max())
-                        us = time_op(op, ring, args.reps, args.repeats)
+                        weights = itertools.cycle(ring)  # each captured call streams the next copy
+                        us = graph_time_us(lambda: op(next(weights)), args.reps, args.repeats)
                     except Exception as e:  # noqa: BLE001 - a config that does not fit must not lose the others
                         print(f"{preset} {proj} T={T} {name}: failed: {type(e).__name__}: {e}", flush=True)
                         continue

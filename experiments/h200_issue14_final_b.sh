@@ -9,13 +9,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -m pytest -q -m gpu tests/test_fast_gpu.py -k norm_route 2>&1 | tail -2 | tee "$OUT/gpu_tests_norm_route.log"
-step() {  # preset layers strategies...
-  local preset=$1 layers=$2; shift 2
-  python3 experiments/bench_vs_compile.py --preset "$preset" --num-layers "$layers" --batch 1 8 --strategies "$@" \
-    --skip-hf-generate --skip-compile --repeats 2 --out "$OUT/step_${preset}_${layers}.md" \
-    --json "$OUT/step_${preset}_${layers}.json" 2>&1 | tee "$OUT/step_${preset}_${layers}.log" \
-    | grep -E "own floor|failed|Error" | head -4
-}
+source experiments/h200_issue14_lib.sh  # step()
 step qwen1_5_moe_a2_7b 24 full+fused capacity+fused
 step mixtral_8x7b 8 full+fused capacity+fused
 step qwen3_30b_a3b 12 full+fused capacity+fused

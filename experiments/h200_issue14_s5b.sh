@@ -29,13 +29,7 @@ if has fidelity; then
   python3 experiments/fidelity_fused.py --preset mixtral_stdlib qwen2_moe_stdlib --backend triton --device cuda 2>&1 \
     | tee "$OUT/stdlib_fidelity.log" | tail -6
 fi
-step() {  # preset layers strategies...
-  local preset=$1 layers=$2; shift 2
-  python3 experiments/bench_vs_compile.py --preset "$preset" --num-layers "$layers" --batch 1 8 --strategies "$@" \
-    --skip-hf-generate --skip-compile --repeats 2 --out "$OUT/step_${preset}_${layers}.md" \
-    --json "$OUT/step_${preset}_${layers}.json" 2>&1 | tee "$OUT/step_${preset}_${layers}.log" \
-    | grep -E "own floor|failed|Error" | head -4
-}
+source experiments/h200_issue14_lib.sh  # step()
 if has gemv; then  # plain launches (PDL 0): the first run (gemv.md) chained the GEMVs by PDL
   python3 experiments/bench_gemv.py --pdl 0 --out "$OUT/gemv_pdl0.md" --json "$OUT/gemv_pdl0.json" 2>&1 \
     | tee "$OUT/gemv_pdl0.log" | grep -E "^\| [a-z]|failed"

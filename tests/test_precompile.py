@@ -79,13 +79,20 @@ def test_dry_ops_record_and_return_zeros():
     assert len(set(keys)) == 3
 
 
+def _precompile(launches) -> dict:
+    pre = triton_ops.Precompiler()
+    for launch in launches:
+        pre.submit(*launch)
+    return pre.wait()
+
+
 def test_precompile_dedupes_and_builds_launchers_on_threads():
     k = _Kernel(["x", "T", "D"], do_not_specialize=["T"])
     x = torch.zeros(8)
     launches = [(k, (1,), (x, 1, 64), {"BLOCK": 16}), (k, (64,), (x, 64, 64), {"BLOCK": 16}),  # one key (T free)
                 (k, (1,), (x, 1, 64), {"BLOCK": 32}),  # another constexpr
                 (k, (1,), (x, 1, 40), {"BLOCK": 16})]  # D 40: not a multiple of 16, specialised apart
-    got = triton_ops.precompile(launches)
+    got = _precompile(launches)
     assert got["launches"] == 4 and got["specialisations"] == 3
     assert len(k.warmups) == 3 and k.inits == 3
     assert all(name.startswith("moecg-precompile") for name, _, _ in k.warmups)
@@ -97,7 +104,7 @@ def test_precompile_propagates_compile_errors():
         def warmup(self, *args, grid, **kwargs):
             raise ValueError("does not compile")
     with pytest.raises(ValueError, match="does not compile"):
-        triton_ops.precompile([(Bad(["x"]), (1,), (torch.zeros(2),), {})])
+        _precompile([(Bad(["x"]), (1,), (torch.zeros(2),), {})])
 
 
 @pytest.mark.parametrize("preset,ragged", [("qwen2_moe_tiny", False), ("qwen3_moe_tiny", False),

@@ -73,7 +73,7 @@ class Capture:
 
             self.fast = FastDecode(model, kernel_backend)  # checks the model first, before any CUDA work
         self.layer_graphs: LayerGraphs | None = None
-        self.precompiled: dict | None = None  # triton_ops.precompile's record, when it ran
+        self.precompiled: dict | None = None  # triton_ops.Precompiler.wait()'s record, when it ran
         self._warned_big = False
         self._layer_now = None
         self.applied = False

@@ -19,6 +19,16 @@ from dataclasses import dataclass
 _ANY = (0, math.inf)
 
 
+def _within(*pairs) -> bool:
+    """Every (value, (lo, hi)) pair has lo <= value < hi."""
+    return all(lo <= v < hi for v, (lo, hi) in pairs)
+
+
+def _first(rules, default, *shape):
+    """The tiles of the first rule that holds the shape, else default."""
+    return next((r.tiles for r in rules if r.holds(*shape)), default)
+
+
 @dataclass(frozen=True)
 class MoeTiles:
     block_m: int = 16  # assignments (rows) of one expert per program; tl.dot needs >= 16
@@ -42,8 +52,7 @@ class TileRule:
     weight: tuple = _ANY  # I*D, the elements of one expert's projection: what a decode GEMM streams
 
     def holds(self, T: int, D: int, I: int, E: int) -> bool:  # noqa: E741
-        return all(lo <= v < hi for v, (lo, hi) in ((T, self.tokens), (D, self.hidden), (I, self.inter),
-                                                    (E, self.experts), (I * D, self.weight)))
+        return _within((T, self.tokens), (D, self.hidden), (I, self.inter), (E, self.experts), (I * D, self.weight))
 
 
 DEFAULT = MoeTiles()
@@ -57,10 +66,7 @@ MOE_TILE_RULES: tuple[TileRule, ...] = (
 
 
 def moe_tiles(T: int, D: int, I: int, E: int) -> MoeTiles:  # noqa: E741
-    for rule in MOE_TILE_RULES:
-        if rule.holds(T, D, I, E):
-            return rule.tiles
-    return DEFAULT
+    return _first(MOE_TILE_RULES, DEFAULT, T, D, I, E)
 
 
 # -- small-batch linears (the decode step's qkv and o projections) ------------------------------------------------
@@ -81,7 +87,7 @@ class GemvRule:
     inner: tuple = _ANY  # K
 
     def holds(self, T: int, N: int, K: int) -> bool:
-        return all(lo <= v < hi for v, (lo, hi) in ((T, self.tokens), (N, self.out), (K, self.inner)))
+        return _within((T, self.tokens), (N, self.out), (K, self.inner))
 
 
 # Where the Triton GEMV (triton_ops.linear) replaces cuBLAS: first rule whose ranges hold (T, N, K); none: cuBLAS.
@@ -98,10 +104,7 @@ GEMV_RULES: tuple[GemvRule, ...] = (
 
 
 def gemv_tiles(T: int, N: int, K: int) -> GemvTiles | None:
-    for rule in GEMV_RULES:
-        if rule.holds(T, N, K):
-            return rule.tiles
-    return None
+    return _first(GEMV_RULES, None, T, N, K)
 
 
 def norm_warps(T: int, D: int, KK: int) -> int:

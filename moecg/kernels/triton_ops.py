@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moecg.kernels import tiles as _tiles
+from moecg.kernels import _interpret, tiles as _tiles
 
 
 def _p2(n: int) -> int:
@@ -37,7 +37,7 @@ def pdl_mode(device) -> int:
         return 0
     if PDL is not None:
         return int(PDL)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not _pdl_supported():
+    if _interpret() or not _pdl_supported():
         return 0
     return 2 if _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9 else 0
 
@@ -175,7 +175,7 @@ class Precompiler:
         self._t0 = time.perf_counter()
         self.launches = 0
         self._futures: dict = {}
-        self._off = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        self._off = _interpret()
         if not self._off:
             try:  # Triton's hash of its own sources (lru-cached): once here, not once per thread racing to fill it
                 from triton.runtime.cache import triton_key
@@ -207,15 +207,6 @@ class Precompiler:
             self._pool.shutdown(wait=True)
         return {"launches": self.launches, "specialisations": len(self._futures),
                 "seconds": time.perf_counter() - self._t0}
-
-
-def precompile(launches, workers: int | None = None) -> dict:
-    """Compile each distinct specialisation among `launches` (from dry_run) on a thread pool (Precompiler), so the
-    launches that follow find every kernel compiled; returns the Precompiler's record."""
-    pre = Precompiler(workers)
-    for kernel, grid, args, kwargs in launches:
-        pre.submit(kernel, grid, args, kwargs)
-    return pre.wait()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -849,11 +840,9 @@ GEMV_MAX_T = 16  # rows one program's tl.dot block holds
 def linear(x, w, bias=None, tiles=None):
     """As ref.linear. tiles: a moecg.kernels.tiles.GemvTiles (the Triton GEMV) or None: the table's choice for this
     shape (gemv_tiles), which is cuBLAS (F.linear) where no rule holds."""
-    from moecg.kernels.tiles import gemv_tiles
-
     T, K = x.shape
     N = w.shape[0]
-    t = tiles or gemv_tiles(T, N, K)
+    t = tiles or _tiles.gemv_tiles(T, N, K)
     if t is None or T > GEMV_MAX_T or x.stride(1) != 1 or w.stride(1) != 1 or (bias is not None and
                                                                                 bias.stride(0) != 1):
         return F.linear(x, w, bias)
@@ -1119,8 +1108,6 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles).
     grid: "expert" (a program per expert), "slot" (a program per assignment, the expert's first one runs it) or
     "auto": slot when the assignments are fewer than the experts (decode at small batches), else expert."""
-    from moecg.kernels.tiles import moe_tiles
-
     T, K = idx.shape
     D = x.shape[1]
     a = ExpertArgs(gate_up, down, spec, gate_up_bias, down_bias)
@@ -1131,7 +1118,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         raise ValueError(f"grid={grid!r}: choose auto, expert or slot")
     by_slot = grid == "slot" or (grid == "auto" and S < E)
     P = S if by_slot else E
-    t = tiles or moe_tiles(T, D, inter, E)
+    t = tiles or _tiles.moe_tiles(T, D, inter, E)
     split = t.down_split if down_bias is None else 1  # a biased down projection keeps one pass (bias before round)
     bm = t.block_m
     m_blocks = triton.cdiv(T, bm)  # an expert gets at most one assignment per token
