@@ -18,6 +18,8 @@ Variants (names: `+`-joined switches on top of `base`):
            launch at its start (triton_ops.PDL mode 2); pdl1: each only waits (mode 1: the successor launches as
            its blocks exit)
   nw=N     add_rmsnorm with N warps (moecg.kernels.tiles.norm_warps)
+  mb=N     the split attention's merge loading N splits' partial outputs at a time (triton_ops.attn_merge_block)
+  as=N     N splits per (row, kv head) context for the decode attention (triton_ops.attn_splits' choice otherwise)
   F=N      a MoE tile field (moecg.kernels.tiles.MoeTiles: up_n, up_k, down_n, down_k, warps, stages, block_m)
 Each variant is captured (strategy full, capture.kernels=fused, dispatch=fused, the one bucket = the batch) and
 timed by CUDA events over --replays back-to-back replays, median of --repeats; the step's logits from one fixed
@@ -61,15 +63,18 @@ def parse_variant(name: str) -> dict:
             v["split"] = int(p[5:])
         elif p.startswith("nw=") and p[3:].isdigit():  # add_rmsnorm's warps (tiles.norm_warps)
             v["nw"] = int(p[3:])
+        elif p[:3] in ("mb=", "as=") and p[3:].isdigit():  # the attention's merge block / split count
+            v[p[:2]] = int(p[3:])
         elif "=" in p and p.split("=")[0] in TILE_FIELDS:  # a MoE tile field, e.g. down_n=32
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, F=N)")
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, F=N)")
     return v
 
 
 MOE_EXPERTS, MOE_TILES = triton_ops.moe_experts, tiles_mod.moe_tiles  # the originals, which set_variant wraps
+ATTN_DECODE = triton_ops.attn_decode
 GEMV_RULES, NORM_WARPS = tiles_mod.GEMV_RULES, tiles_mod.norm_warps
 
 
@@ -91,11 +96,18 @@ def set_variant(v: dict) -> None:
 
     triton_ops.moe_experts = moe_experts
 
+    def attn_decode(*a, **kw):
+        kw.setdefault("splits", v.get("as"))
+        kw.setdefault("merge_block", v.get("mb"))
+        return ATTN_DECODE(*a, **kw)
 
-def time_variant(model, adapter, bs, prompts, cache_len, replays, repeats, bandwidth, profile_it):
+    triton_ops.attn_decode = attn_decode if ("as" in v or "mb" in v) else ATTN_DECODE
+
+
+def time_variant(model, adapter, bs, prompts, cache_len, replays, repeats, bandwidth, profile_it, prefill_chunk=None):
     attach(model, make_dispatcher("fused"), max_rows=bs)
     try:
-        eng = DecodeEngine(model, cache_len, bs)
+        eng = DecodeEngine(model, cache_len, bs, prefill_chunk=prefill_chunk)
         cap = Capture(eng, "full", buckets=(bs,), kernels="fused").apply()
         eng.generate(prompts, 4, timing=False)  # cache filled to prompt + 4
         with eng.scratch():
@@ -132,6 +144,7 @@ def main(argv=None):
                                                       "slot+pdl", "slot+overlap+pdl", "slot+overlap+pdl+split2"])
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--cache-len", type=int, default=512)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill forward (long prompts)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", nargs="*", default=[], help="variants to profile per kernel")
@@ -152,7 +165,7 @@ def main(argv=None):
             try:
                 ms, logits, floor, table = time_variant(model, built.adapter, bs, prompts, args.cache_len,
                                                         args.replays, args.repeats, args.bandwidth_gbps,
-                                                        name in args.profile)
+                                                        name in args.profile, args.prefill_chunk)
             except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
                 print(f"{name} bs {bs} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
                 continue
@@ -167,7 +180,7 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
             if table:
                 tables.append((name, bs, ms, table))
-    triton_ops.moe_experts = MOE_EXPERTS
+    triton_ops.moe_experts, triton_ops.attn_decode = MOE_EXPERTS, ATTN_DECODE
     head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, {env_fields()['device_name']}, "
             f"prompt {args.prompt_len}, cache {args.cache_len}; captured full+fused step, ms (CUDA events, "
             f"{args.replays} replays x median of {args.repeats})")

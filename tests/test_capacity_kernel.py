@@ -213,7 +213,8 @@ def test_kernels_compile_for_hopper():
     types = dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", keep_ptr="*i8", slot_ptr="*i32", nk_ptr="*i32",
                  cnt_ptr="*i64", drop_ptr="*i64", mass_ptr="*fp32", dmass_ptr="*fp32", cap_ptr="*i64",
                  calls_ptr="*i64", tok_ptr="*i64", lost_ptr="*i64", alpha="fp32", limit="fp32", cf_bits="i64",
-                 part_ptr="*fp32", sem_ptr="*i32", lg_ptr="*fp32", tw_ptr="*bf16", eps="fp32", res_ptr="*bf16", sg_ptr="*bf16")
+                 part_ptr="*fp32", sem_ptr="*i32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", pos_ptr="*i64",
+                 scaling="fp32", lg_ptr="*fp32", tw_ptr="*bf16", eps="fp32", res_ptr="*bf16", sg_ptr="*bf16")
 
     def build(fn, consts, stages=4):
         sig = {n: "constexpr" if n in consts else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
@@ -245,6 +246,11 @@ def test_kernels_compile_for_hopper():
                                        BLOCK_EP=128, USE_PDL=2))
     build(tri._add_rmsnorm_kernel, dict(KK=4, HAS_RES=True, HAS_SHARED=True, HAS_SGATE=True, HAS_VALID=False,
                                         CAST_LAST=False, BLOCK_D=2048, USE_PDL=2))
+    for G, Dh in ((8, 128), (1, 128), (16, 64)):  # decode attention, split, with the blocked merge (Qwen3/1.5, GPT-OSS)
+        GP = max(16, triton.next_power_of_2(G))
+        build(tri._attn_decode_kernel, dict(G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=True, HAS_SINK=Dh == 64, EAGER=False,
+                                            TWO_PASS=False, SUB_ROUND=False, SP=tri.MERGE_MAX,
+                                            SB=tri.attn_merge_block(GP, Dh), USE_PDL=2))
     from moecg.kernels.tiles import GEMV_RULES
     for i, rule in enumerate(GEMV_RULES):  # the small-batch GEMV at the table's tiles
         t = rule.tiles
