@@ -246,11 +246,11 @@ def test_kernels_compile_for_hopper():
                                        BLOCK_EP=128, USE_PDL=2))
     build(tri._add_rmsnorm_kernel, dict(KK=4, HAS_RES=True, HAS_SHARED=True, HAS_SGATE=True, HAS_VALID=False,
                                         CAST_LAST=False, BLOCK_D=2048, USE_PDL=2))
-    for G, Dh in ((8, 128), (1, 128), (16, 64)):  # decode attention, split, with the blocked merge (Qwen3/1.5, GPT-OSS)
+    for G, Dh, split, sb in ((8, 128, True, 1), (1, 128, True, 4), (16, 64, True, 2), (16, 64, False, 1)):
+        # decode attention (Qwen3, Qwen1.5, GPT-OSS heads): active splits only, the merge unrolled SB splits at a time
         GP = max(16, triton.next_power_of_2(G))
-        build(tri._attn_decode_kernel, dict(G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=True, HAS_SINK=Dh == 64, EAGER=False,
-                                            TWO_PASS=False, SUB_ROUND=False, SP=tri.MERGE_MAX,
-                                            SB=tri.attn_merge_block(GP, Dh), USE_PDL=2))
+        build(tri._attn_decode_kernel, dict(G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=split, HAS_SINK=Dh == 64,
+                                            EAGER=False, TWO_PASS=False, SUB_ROUND=False, SB=sb, USE_PDL=2))
     from moecg.kernels.tiles import GEMV_RULES
     for i, rule in enumerate(GEMV_RULES):  # the small-batch GEMV at the table's tiles
         t = rule.tiles

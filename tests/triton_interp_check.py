@@ -48,8 +48,9 @@ for p, window, sk in ((150, 0, None), (199, 0, sinks), (180, 100, None), (60, 0,
     for splits in (2, 3):
         close(ref.attn_decode(q, keys2, vals2, torch.tensor(p), 0.25, window, sinks=sk),
               tri.attn_decode(q, keys2, vals2, torch.tensor(p), 0.25, window, sinks=sk, splits=splits))
-    # the merge loading its partials 1 or 2 splits at a time (blocks past the split count masked)
-    for mb in (1, 2):
+    # the merge unrolling 1, 2 or 4 splits' loads (past the active splits masked); p = 60 has one active split (the
+    # direct path, no merge), the others two
+    for mb in (1, 2, 4):
         close(ref.attn_decode(q, keys2, vals2, torch.tensor(p), 0.25, window, sinks=sk),
               tri.attn_decode(q, keys2, vals2, torch.tensor(p), 0.25, window, sinks=sk, splits=3, merge_block=mb))
 assert all(int(s.abs().sum()) == 0 for s in tri._SEMS.values())

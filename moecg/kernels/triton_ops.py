@@ -390,8 +390,8 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                         T, scaling, window, chunk, s_pos, s_qt, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ot,
                         G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BLOCK_L: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, EAGER: tl.constexpr,
-                        TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr, SP: tl.constexpr = 1,
-                        SB: tl.constexpr = 1, USE_PDL: tl.constexpr = 0):
+                        TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr, SB: tl.constexpr = 1,
+                        USE_PDL: tl.constexpr = 0):
     _pdl_enter(USE_PDL)
     t = tl.program_id(0)
     hk = tl.program_id(1)
@@ -437,79 +437,85 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
         tl.store(o_ptr + t * s_ot + (hk * G + gi)[:, None] * DH + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=gm[:, None])
     else:
-        if HAS_SINK and not SPLIT:
-            m_i = tl.load(sink_ptr + hk * G + gi, mask=gm, other=0.0).to(tl.float32)
-            l_i = tl.full([GP], 1.0, dtype=tl.float32)
-        else:
-            m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([GP], dtype=tl.float32)
-        acc = tl.zeros([GP, DH], dtype=tl.float32)
-        for s0 in range(start, stop, BLOCK_L):
-            sl = s0 + tl.arange(0, BLOCK_L)
-            lm = sl < stop
-            k = tl.load(kb + sl[:, None] * s_kl + d[None, :], mask=lm[:, None], other=0.0)
-            s = _scores(q, k, scaling, dt, EAGER)  # [GP, BLOCK_L]
-            s = tl.where(lm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vb + sl[:, None] * s_vl + d[None, :], mask=lm[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        if not SPLIT:
-            out = acc / l_i[:, None]
-            tl.store(o_ptr + t * s_ot + (hk * G + gi)[:, None] * DH + d[None, :], out.to(o_ptr.dtype.element_ty),
-                     mask=gm[:, None])
-        else:  # store this split's partials; the last split of the (row, kv head) to finish merges them all
-            head = t * tl.num_programs(1) + hk
-            row0 = head * tl.num_programs(2)
-            tl.store(m_ptr + (row0 + sp) * GP + gi, m_i)
-            tl.store(l_ptr + (row0 + sp) * GP + gi, l_i)
-            tl.store(acc_ptr + ((row0 + sp) * GP + gi)[:, None] * DH + d[None, :], acc, mask=gm[:, None])
-            tl.debug_barrier()
-            done = tl.atomic_add(sem_ptr + head, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(2) - 1:  # the others' partials are visible (acquire)
-                _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, tl.num_programs(2), G, GP,
-                            DH, HAS_SINK, SP, SB)
-                tl.store(sem_ptr + head, 0)  # zero again for the next call (and graph replay)
+        # SPLIT: only the splits that hold keys at this step's position run (n_act of them, device-side: the grid is
+        # fixed by the cache's capacity); when one does (a short span), it writes the output itself, no merge
+        n_act = 1
+        if SPLIT:
+            n_act = tl.cdiv(n - lo, chunk)
+        direct = n_act == 1
+        if sp < n_act:
+            if HAS_SINK:
+                sk = tl.load(sink_ptr + hk * G + gi, mask=gm, other=0.0).to(tl.float32)
+                m_i = tl.where(direct, sk, float("-inf"))  # (the merge adds the sink otherwise)
+                l_i = tl.where(direct, 1.0, 0.0) + tl.zeros([GP], dtype=tl.float32)
+            else:
+                m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([GP], dtype=tl.float32)
+            acc = tl.zeros([GP, DH], dtype=tl.float32)
+            for s0 in range(start, stop, BLOCK_L):
+                sl = s0 + tl.arange(0, BLOCK_L)
+                lm = sl < stop
+                k = tl.load(kb + sl[:, None] * s_kl + d[None, :], mask=lm[:, None], other=0.0)
+                s = _scores(q, k, scaling, dt, EAGER)  # [GP, BLOCK_L]
+                s = tl.where(lm[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(vb + sl[:, None] * s_vl + d[None, :], mask=lm[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            if direct:
+                out = acc / l_i[:, None]
+                tl.store(o_ptr + t * s_ot + (hk * G + gi)[:, None] * DH + d[None, :],
+                         out.to(o_ptr.dtype.element_ty), mask=gm[:, None])
+            else:  # store this split's partials; the last active split of the (row, kv head) merges them all
+                head = t * tl.num_programs(1) + hk
+                row0 = head * tl.num_programs(2)
+                tl.store(m_ptr + (row0 + sp) * GP + gi, m_i)
+                tl.store(l_ptr + (row0 + sp) * GP + gi, l_i)
+                tl.store(acc_ptr + ((row0 + sp) * GP + gi)[:, None] * DH + d[None, :], acc, mask=gm[:, None])
+                tl.debug_barrier()
+                done = tl.atomic_add(sem_ptr + head, 1, sem="acq_rel", scope="gpu")
+                if done == n_act - 1:  # the others' partials are visible (acquire)
+                    _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, n_act, G, GP, DH,
+                                HAS_SINK, SB)
+                    tl.store(sem_ptr + head, 0)  # zero again for the next call (and graph replay)
 
 
 @triton.jit
 def _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, splits, G: tl.constexpr,
-                GP: tl.constexpr, DH: tl.constexpr, HAS_SINK: tl.constexpr, SP: tl.constexpr, SB: tl.constexpr):
-    """Merge the `splits` partial (max, sum, acc) of one (row, kv head) into its output heads. Run by the split that
-    finishes last; its loads go to L2 (.cg), where the other splits' stores are. The maxima and sums of all splits
-    load as one [SP, GP] tile each (SP >= splits), the partial outputs SB splits a load ([SB, GP, DH]): a handful of
-    loads in flight instead of one L2 round trip per split (a serial tail that grew with the split count). The sums
-    run in a fixed order (a tree within each block, blocks in split order): deterministic."""
+                GP: tl.constexpr, DH: tl.constexpr, HAS_SINK: tl.constexpr, SB: tl.constexpr):
+    """Merge the `splits` partial (max, sum, acc) of one (row, kv head), in split order, into its output heads.
+    Run by the split that finishes last; its loads go to L2 (.cg), where the other splits' stores are. SB splits'
+    loads are unrolled together (issued before their adds: fewer serial L2 round trips); the adds stay in order."""
     gi = tl.arange(0, GP)
     gm = gi < G
     d = tl.arange(0, DH)
-    s = tl.arange(0, SP)
-    sm = (s < splits)[:, None] & gm[None, :]
-    ms = tl.load(m_ptr + (row0 + s)[:, None] * GP + gi[None, :], mask=sm, other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(ms, axis=0)  # [GP]
+    m = tl.full([GP], float("-inf"), dtype=tl.float32)
     if HAS_SINK:
         sink = tl.load(sink_ptr + hk * G + gi, mask=gm, other=0.0).to(tl.float32)
-        m = tl.maximum(m, sink)
-    m = tl.where(gm, m, 0.0)  # pad heads (all -inf): finite, so no inf - inf below
-    sc = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m[None, :]))  # [SP, GP]: empty splits weigh 0
-    ls = tl.load(l_ptr + (row0 + s)[:, None] * GP + gi[None, :], mask=sm, other=0.0, cache_modifier=".cg")
-    l_tot = tl.sum(ls * sc, axis=0)
+        m = sink
+    for s0 in range(0, splits, SB):
+        for j in tl.static_range(SB):
+            ok = gm & (gi * 0 + s0 + j < splits)  # [GP]
+            m = tl.maximum(m, tl.load(m_ptr + (row0 + s0 + j) * GP + gi, mask=ok, other=float("-inf"),
+                                      cache_modifier=".cg"))
+    m = tl.where(gm, m, 0.0)  # pad heads: finite (no inf - inf below); not stored
+    l_tot = tl.zeros([GP], dtype=tl.float32)
     if HAS_SINK:
-        l_tot += tl.exp(sink - m)
+        l_tot = tl.exp(sink - m)
     acc = tl.zeros([GP, DH], dtype=tl.float32)
     for s0 in range(0, splits, SB):
-        sb = s0 + tl.arange(0, SB)
-        bm = (sb < splits)[:, None] & gm[None, :]  # [SB, GP]
-        msb = tl.load(m_ptr + (row0 + sb)[:, None] * GP + gi[None, :], mask=bm, other=float("-inf"),
-                      cache_modifier=".cg")
-        scb = tl.where(msb == float("-inf"), 0.0, tl.exp(msb - m[None, :]))
-        off = ((row0 + sb)[:, None] * GP + gi[None, :])[:, :, None] * DH + d[None, None, :]  # [SB, GP, DH]
-        a = tl.load(acc_ptr + off, mask=bm[:, :, None], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(a * scb[:, :, None], axis=0)
-    out = acc / tl.where(gm, l_tot, 1.0)[:, None]  # (pad heads: 0 / 0 otherwise; not stored)
+        for j in tl.static_range(SB):
+            ok = gm & (gi * 0 + s0 + j < splits)
+            r = row0 + s0 + j
+            ms = tl.load(m_ptr + r * GP + gi, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            sc = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
+            l_tot += tl.load(l_ptr + r * GP + gi, mask=ok, other=0.0, cache_modifier=".cg") * sc
+            acc += tl.load(acc_ptr + (r * GP + gi)[:, None] * DH + d[None, :], mask=ok[:, None], other=0.0,
+                           cache_modifier=".cg") * sc[:, None]
+    out = acc / tl.where(gm, l_tot, 1.0)[:, None]
     tl.store(o_ptr + t * s_ot + (hk * G + gi)[:, None] * DH + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=gm[:, None])
 
@@ -533,13 +539,10 @@ def attn_splits(T: int, Hkv: int, span: int) -> int:
     return max(1, min(128 // max(1, T * Hkv), span // 64, 16))
 
 
-MERGE_MAX = 128  # splits the merge's [SP, GP] tiles hold (attn_splits' most): one compilation for every split count
-
-
 def attn_merge_block(GP: int, Dh: int) -> int:
-    """Splits whose partial outputs the merge loads at once: a [SB, GP, Dh] fp32 tile of at most 8192 elements (64
-    registers a thread at 4 warps)."""
-    return max(1, 8192 // (GP * Dh))
+    """Splits whose loads the merge unrolls together (SB; 1: one split at a time, in order). A [SB, GP, Dh] tile
+    loaded at once was measured 1.7x slower at 64 splits on the H200 (issue14_s6/variants_qwen3_long.md)."""
+    return 1
 
 
 @_dry_zeros
@@ -574,8 +577,8 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
         q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, HAS_SINK=sinks is not None, EAGER=eager,
-        TWO_PASS=two_pass, SUB_ROUND=two_pass and sinks.dtype == q.dtype, SP=max(MERGE_MAX, _p2(splits)),
-        SB=_p2(merge_block or attn_merge_block(GP, Dh)), num_warps=4, **_pdl_args(q.device))
+        TWO_PASS=two_pass, SUB_ROUND=two_pass and sinks.dtype == q.dtype,
+        SB=merge_block or attn_merge_block(GP, Dh), num_warps=4, **_pdl_args(q.device))
     return o
 
 
