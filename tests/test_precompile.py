@@ -143,6 +143,16 @@ def test_capture_precompile_pass_runs_every_bucket_dry(preset, ragged, monkeypat
         assert all(torch.equal(a, b) for a, b in zip(after, lengths)) if isinstance(lengths, (list, tuple)) \
             else torch.equal(after, lengths)
         assert state_of(model).snapshot() == before
+        # a second Capture of the same step in this process (a sweep's next point) skips the dry pass; other buckets
+        # do not
+        cap2 = Capture(eng, "full", buckets=(1, 2, 4), backend="emulate", kernels="fused")
+        cap2.fast.ops, cap2.fast.backend = triton_ops, "triton"
+        eng.decode_forward = cap2.fast
+        n = len(seen)
+        cap2._precompile([4, 2, 1])
+        assert len(seen) == n and cap2.precompiled["launches"] == 0 and "skipped" in cap2.precompiled
+        cap2._precompile([2, 1])
+        assert len(seen) > n and cap2.precompiled["launches"] == len(seen) - n
     finally:
         eng.decode_forward = None
         detach(model)

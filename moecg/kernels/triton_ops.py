@@ -540,9 +540,12 @@ def attn_splits(T: int, Hkv: int, span: int) -> int:
 
 
 def attn_merge_block(GP: int, Dh: int) -> int:
-    """Splits whose loads the merge unrolls together (SB; 1: one split at a time, in order). A [SB, GP, Dh] tile
-    loaded at once was measured 1.7x slower at 64 splits on the H200 (issue14_s6/variants_qwen3_long.md)."""
-    return 1
+    """Splits whose loads the merge unrolls together (SB; the adds stay one split at a time, in order): 4, fewer where
+    4 [GP, Dh] fp32 tiles would pass 8192 elements (64 registers a thread at 4 warps). On the H200, Qwen3-30B-A3B 12
+    layers at a 30k-token context (64 splits), the step went 1.261 -> 1.241 (2) -> 1.228 ms (4), the same bits
+    (results/h200/issue14_s6/variants_qwen3_long_b.md); one [SB, GP, Dh] tile loaded at once was 1.7x slower
+    (variants_qwen3_long.md, commit 7fee360)."""
+    return max(1, min(4, 8192 // (GP * Dh)))
 
 
 @_dry_zeros
