@@ -214,7 +214,7 @@ def test_kernels_compile_for_hopper():
                  cnt_ptr="*i64", drop_ptr="*i64", mass_ptr="*fp32", dmass_ptr="*fp32", cap_ptr="*i64",
                  calls_ptr="*i64", tok_ptr="*i64", lost_ptr="*i64", alpha="fp32", limit="fp32", cf_bits="i64",
                  part_ptr="*fp32", sem_ptr="*i32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", pos_ptr="*i64",
-                 scaling="fp32", lg_ptr="*fp32", tw_ptr="*bf16", eps="fp32", res_ptr="*bf16", sg_ptr="*bf16")
+                 scaling="fp32", lg_ptr="*fp32", b_ptr="*fp32", tw_ptr="*bf16", eps="fp32", res_ptr="*bf16", sg_ptr="*bf16")
 
     def build(fn, consts, stages=4):
         sig = {n: "constexpr" if n in consts else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
@@ -244,6 +244,11 @@ def test_kernels_compile_for_hopper():
                                              BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=pdl))
     build(tri._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=True, CAST_LAST=False, BLOCK_D=2048, BLOCK_E=8,
                                        BLOCK_EP=128, USE_PDL=2))
+    # the routers' shared packed-key top-k (int64 keys from fp32 bits)
+    build(tri._route_kernel, dict(K=4, NORM=True, BLOCK_E=64, USE_PDL=2))
+    build(tri._route_sigmoid_group_kernel, dict(K=8, KP=8, NG=8, NGP=8, TOPKG=4, NORM=True, HAS_BIAS=True,
+                                                 BLOCK_E=256, USE_PDL=2))
+    build(tri._route_topk_softmax_kernel, dict(K=4, KP=4, BLOCK_E=32, USE_PDL=2))
     build(tri._add_rmsnorm_kernel, dict(KK=4, HAS_RES=True, HAS_SHARED=True, HAS_SGATE=True, HAS_VALID=False,
                                         CAST_LAST=False, BLOCK_D=2048, USE_PDL=2))
     for G, Dh, split, sb in ((8, 128, True, 1), (1, 128, True, 4), (16, 64, True, 2), (16, 64, False, 1)):

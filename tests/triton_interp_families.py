@@ -74,6 +74,21 @@ for K in (4, 3):
     i2, w2 = tri.route_topk_softmax(logits, K)
     assert torch.equal(i1, i2)
     close(w1, w2, 1e-6)
+# the routers' shared top-k (one packed max per pick): largest first, exact ties to the lower expert, any sign,
+# -0.0 equal to +0.0, -inf last; checked against a stable sort
+tied = torch.tensor([[-1.0, 3.0, -7.5, 3.0, -0.0, 0.0, float("-inf"), -1.0, 2.5, -0.0, 3.0, -7.5],
+                     [0.0, -0.0, -2.0, -2.0, -2.0, float("-inf"), -3.0, 0.0, -1e-30, 1e-30, -2.0, -0.0]])
+
+
+def stable_top(v, K):  # per row: the K largest, ties to the lower index (Python's sort is stable; -0.0 == 0.0)
+    return torch.tensor([sorted(range(v.shape[1]), key=lambda i, r=r: (-float(r[i]), i))[:K] for r in v])
+
+
+for K in (1, 2, 3, 5, 8):
+    assert torch.equal(tri.route_topk_softmax(tied, K)[0], stable_top(tied, K)), K
+    assert torch.equal(tri.route_sigmoid_group(tied, None, K, 1, 1, True, 1.0)[0], stable_top(tied.sigmoid(), K)), K
+for K in (1, 2, 4, 8):  # softmax_topk: ranks the probabilities (1e-30 and 0 give the same one)
+    assert torch.equal(tri.route(tied, K, True, torch.float32)[0], stable_top(tied.softmax(-1), K)), K
 
 
 # GPT-OSS experts: [E, D, 2I] / [E, I, D], interleaved gate/up, biases, clamped SwiGLU; pad rows and counters

@@ -587,6 +587,41 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
 
 # ------------------------------------------------------------------------------------------------------------
 # router: softmax (fp32) + top-k + optional renormalisation, one program per token
+_KEY_NONE = tl.constexpr(-(2**63))  # below every _order_key: a lane out of the choice
+
+
+@triton.jit
+def _order_key(x, e, BLOCK_E: tl.constexpr):
+    """An int64 per lane ordered as x (fp32, any sign; -0.0 as +0.0), ties to the lower lane e: one max reduction
+    then finds the largest value and its first lane at once (two reductions otherwise, each a cross-warp sync)."""
+    b = (x + 0.0).to(tl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)  # fp32 bits -> a signed int of the same order
+    return (b.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 value an _order_key holds."""
+    b = (key >> 32).to(tl.int32)
+    return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _topk_keys(key, e, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The K largest of the lanes' keys (_order_key; _KEY_NONE: out of the choice), largest first, ties to the lower
+    lane -> (lanes [KP] int64, keys [KP]; past K: 0 and _KEY_NONE). Shared by every Triton router."""
+    kk = tl.arange(0, KP)
+    ids = tl.zeros([KP], dtype=tl.int64)
+    best = tl.full([KP], _KEY_NONE, dtype=tl.int64)
+    for k in tl.static_range(K):
+        b = tl.max(key, axis=0)
+        i = BLOCK_E - 1 - (b & 0xFFFFFFFF)
+        ids = tl.where(kk == k, i, ids)
+        best = tl.where(kk == k, b, best)
+        key = tl.where(e == i, _KEY_NONE, key)
+    return ids, best
+
+
 @triton.jit
 def _softmax_topk(x, e, em, K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
     """softmax_topk of one row of logits x [BLOCK_E] (fp32; lanes past E masked by em) -> (ids [K], weights [K])."""
@@ -594,16 +629,8 @@ def _softmax_topk(x, e, em, K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.con
     x = x - tl.max(x, axis=0)
     p = tl.exp(x)
     p = p / tl.sum(p, axis=0)
-    p = tl.where(em, p, -1.0)
-    kk = tl.arange(0, K)
-    vals = tl.zeros([K], dtype=tl.float32)
-    ids = tl.zeros([K], dtype=tl.int64)
-    for k in tl.static_range(K):
-        v = tl.max(p, axis=0)
-        i = tl.min(tl.where(p == v, e, BLOCK_E), axis=0)
-        vals = tl.where(kk == k, v, vals)
-        ids = tl.where(kk == k, i.to(tl.int64), ids)
-        p = tl.where(e == i, -2.0, p)
+    ids, best = _topk_keys(tl.where(em, _order_key(p, e, BLOCK_E), _KEY_NONE), e, K, K, BLOCK_E)
+    vals = _key_value(best)
     if NORM:
         vals = vals / tl.sum(vals, axis=0)
     return ids, vals
@@ -745,15 +772,9 @@ def _route_sigmoid_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scali
             gav = gav & (gi != gsel)
         ch = tl.where(keep & em, ch, float("-inf"))
     kk = tl.arange(0, KP)
-    ids = tl.zeros([KP], dtype=tl.int64)
-    ws = tl.zeros([KP], dtype=tl.float32)
-    av = em
-    for k in tl.static_range(K):
-        v = tl.max(tl.where(av, ch, float("-inf")), axis=0)
-        i = tl.min(tl.where(av & (ch == v), e, BLOCK_E), axis=0)
-        ids = tl.where(kk == k, i.to(tl.int64), ids)
-        ws = tl.where(kk == k, tl.sum(tl.where(e == i, sc, 0.0), axis=0), ws)
-        av = av & (e != i)
+    ids, _ = _topk_keys(tl.where(em, _order_key(ch, e, BLOCK_E), _KEY_NONE), e, K, KP, BLOCK_E)
+    # the unbiased scores of the chosen lanes (past K: 0)
+    ws = tl.sum(tl.where((e[None, :] == ids[:, None]) & (kk < K)[:, None], sc[None, :], 0.0), axis=1)
     if NORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
     ws = ws * scaling
@@ -787,15 +808,8 @@ def _route_topk_softmax_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constex
     em = e < E
     x = tl.load(lg_ptr + t * s_lt + e, mask=em, other=float("-inf")).to(tl.float32)
     kk = tl.arange(0, KP)
-    ids = tl.zeros([KP], dtype=tl.int64)
-    vals = tl.full([KP], float("-inf"), dtype=tl.float32)
-    av = em
-    for k in tl.static_range(K):
-        v = tl.max(tl.where(av, x, float("-inf")), axis=0)
-        i = tl.min(tl.where(av & (x == v), e, BLOCK_E), axis=0)
-        ids = tl.where(kk == k, i.to(tl.int64), ids)
-        vals = tl.where(kk == k, v, vals)
-        av = av & (e != i)
+    ids, best = _topk_keys(tl.where(em, _order_key(x, e, BLOCK_E), _KEY_NONE), e, K, KP, BLOCK_E)
+    vals = tl.where(kk < K, _key_value(best), float("-inf"))
     p = tl.exp(vals - tl.max(vals, axis=0))
     p = p / tl.sum(p, axis=0)
     tl.store(idx_ptr + t * K + kk, ids, mask=kk < K)
