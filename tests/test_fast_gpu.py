@@ -120,16 +120,21 @@ def test_norm_route_matches_reference(shape, T):
 
 @pytest.mark.parametrize("T", [1, 8])
 def test_attention_split_merge_in_kernel_long_context(T):
-    """Long contexts split the keys over many programs; the last split of a (row, kv head) merges in the kernel:
-    every split count gives the reference's values, the same bits on a second call, and the counters go back to 0."""
+    """Long contexts split the keys over many programs; only the splits holding keys at the position run, and the last
+    of them to finish merges in the kernel (one alone writes the output): every split count gives the reference's
+    values, the same bits on a second call, and the counters go back to 0."""
     g = torch.Generator(device="cuda").manual_seed(T)
     Hq, Hkv, Dh, L = 32, 4, 128, 8192
     q = torch.randn(T, Hq, Dh, device="cuda", generator=g).to(BF)
     keys = torch.randn(T, Hkv, L, Dh, device="cuda", generator=g).to(BF)
     vals = torch.randn(T, Hkv, L, Dh, device="cuda", generator=g).to(BF)
     sinks = torch.randn(Hq, device="cuda", generator=g).to(BF)
-    for p, window, sk in ((L - 1, 0, None), (5000, 0, sinks), (7000, 1024, None)):
-        p_t = torch.tensor(p, device="cuda")
+    # positions near the end (every split holds keys), short spans in the long cache (one split or a few hold keys:
+    # the rest exit, one writes the output itself or the active ones merge), and one position per row (ragged)
+    per_row = torch.tensor([40, 300, 5000, 8191, 130, 64, 65, 2000][:T], device="cuda")
+    for p, window, sk in ((L - 1, 0, None), (5000, 0, sinks), (7000, 1024, None), (100, 0, sinks), (300, 0, None),
+                          (per_row, 0, sinks), (per_row, 256, None)):
+        p_t = p if isinstance(p, torch.Tensor) else torch.tensor(p, device="cuda")
         want = ref.attn_decode(q, keys, vals, p_t, Dh ** -0.5, window, sinks=sk)
         for splits in (None, 1, 7, 64, 128):
             got = tri.attn_decode(q, keys, vals, p_t, Dh ** -0.5, window, sinks=sk, splits=splits)
