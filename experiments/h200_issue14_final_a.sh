@@ -19,15 +19,9 @@ if has router; then
       --json "$OUT/variants_${tag}_router2.json" 2>&1 | tee "$OUT/variants_${tag}_router2.log" | grep -E "^\| [0-9]"
   done
 fi
-if has long; then  # Qwen1.5's 16 kv heads x 24 layers: 103 GB of KV at bs 8, so bs 1 only
-  for spec in "qwen3_30b_a3b 12 1,8" "mixtral_8x7b 8 1,8" "qwen1_5_moe_a2_7b 24 1"; do
-    read -r preset layers bss <<< "$spec"
-    python3 experiments/bench_vs_compile.py --preset "$preset" --num-layers "$layers" --batch ${bss//,/ } \
-      --prompt-len 30000 --new-tokens 16 --cache-len 32768 --buckets ${bss//,/ } --prefill-chunk 4096 \
-      --skip-compile --skip-hf-generate --strategies full+fused --repeats 1 \
-      --out "$OUT/long_${preset}.md" --json "$OUT/long_${preset}.json" 2>&1 | tee "$OUT/long_${preset}.log" \
-      | grep -E "^\| [0-9]|floor|failed|Error" | head -12
-  done
+if has long; then
+  source experiments/h200_issue14_lib.sh  # long_rows
+  long_rows
 fi
 if has capture; then
   python3 experiments/capture_time.py --preset qwen1_5_moe_a2_7b --out "$OUT/capture_time.md" \

@@ -10,27 +10,23 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 has() { [[ ",$WHAT," == *",$1,"* ]]; }
 D=slot+overlap+router+gemv+pdl  # every default switch of the step today
-variants() {  # TAG ARGS... : bench_step_variants on Qwen3-30B-A3B, 12 layers
-  local tag=$1; shift
-  python3 experiments/bench_step_variants.py --preset qwen3_30b_a3b --num-layers 12 "$@" \
-    --out "$OUT/variants_qwen3_$tag.md" --json "$OUT/variants_qwen3_$tag.json" 2>&1 \
-    | tee "$OUT/variants_qwen3_$tag.log" | grep -E "^\| [0-9]|failed"
-}
+source experiments/h200_issue14_lib.sh  # variants(), old()
+Q3="qwen3_30b_a3b 12"
 if has tests; then
   python3 -m pytest -q -m gpu tests/test_fast_gpu.py tests/test_capacity_kernel_gpu.py 2>&1 | tail -4 \
     | tee "$OUT/gpu_tests.log"
 fi
 if has short; then
-  variants short --batch 1 8 --variants $D $D+mb=1 $D+as=1 $D+up_n=32 $D+up_n=128 $D+up_k=256 $D+down_n=32 \
+  variants qwen3_short $Q3 --batch 1 8 --variants $D $D+mb=1 $D+as=1 $D+up_n=32 $D+up_n=128 $D+up_k=256 $D+down_n=32 \
     $D+down_n=128 $D+down_k=256 $D+warps=8
 fi
 if has old; then  # the same default step on the previous commit's package, short and long
-  PYTHONPATH="${OLD:-.gpu/old}:$PYTHONPATH" variants old_short --batch 1 8 --variants $D
-  PYTHONPATH="${OLD:-.gpu/old}:$PYTHONPATH" variants old_long --batch 1 --prompt-len 30000 --cache-len 32768 \
+  old qwen3_old_short $Q3 --batch 1 8 --variants $D
+  old qwen3_old_long $Q3 --batch 1 --prompt-len 30000 --cache-len 32768 \
     --prefill-chunk 4096 --replays 20 --repeats 3 --variants $D
 fi
 if has long; then
-  variants long --batch 1 --prompt-len 30000 --cache-len 32768 --prefill-chunk 4096 --replays 20 --repeats 3 \
+  variants qwen3_long $Q3 --batch 1 --prompt-len 30000 --cache-len 32768 --prefill-chunk 4096 --replays 20 --repeats 3 \
     --variants $D $D+mb=1 $D+as=128 $D+as=32
 fi
 if has capture; then

@@ -9,13 +9,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 has() { [[ ",$WHAT," == *",$1,"* ]]; }
 D=slot+overlap+router+gemv+pdl
-variants() {  # TAG PRESET LAYERS ARGS...
-  local tag=$1 preset=$2 layers=$3; shift 3
-  python3 experiments/bench_step_variants.py --preset "$preset" --num-layers "$layers" "$@" \
-    --out "$OUT/variants_$tag.md" --json "$OUT/variants_$tag.json" 2>&1 | tee "$OUT/variants_$tag.log" \
-    | grep -E "^\| [0-9]|failed"
-}
-old() { PYTHONPATH="${OLD:-.gpu/old}:$PYTHONPATH" variants "$@"; }
+source experiments/h200_issue14_lib.sh  # variants(), old()
 LONG="--prompt-len 30000 --cache-len 32768 --prefill-chunk 4096 --replays 20 --repeats 3"
 if has tests; then
   python3 -m pytest -q -m gpu tests/test_fast_gpu.py 2>&1 | tail -3 | tee "$OUT/gpu_tests_b.log"

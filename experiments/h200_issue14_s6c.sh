@@ -9,7 +9,7 @@ WHAT=${2:-tests,floor,fidelity}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 has() { [[ ",$WHAT," == *",$1,"* ]]; }
-source experiments/h200_issue14_lib.sh  # step()
+source experiments/h200_issue14_lib.sh  # step(), long_rows()
 if has tests; then
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
   python3 -m pytest -q -m gpu tests/test_fast_gpu.py 2>&1 | tail -2 | tee "$OUT/gpu_tests.log"
@@ -34,15 +34,8 @@ if has profile; then  # per kernel without PDL (so each kernel's time is its own
       | grep -E "^\| [0-9]|failed"
   done
 fi
-if has long; then  # Qwen1.5's 16 kv heads x 24 layers: 103 GB of KV at bs 8, so bs 1 only
-  for spec in "qwen3_30b_a3b 12 1,8" "mixtral_8x7b 8 1,8" "qwen1_5_moe_a2_7b 24 1"; do
-    read -r preset layers bss <<< "$spec"
-    python3 experiments/bench_vs_compile.py --preset "$preset" --num-layers "$layers" --batch ${bss//,/ } \
-      --prompt-len 30000 --new-tokens 16 --cache-len 32768 --buckets ${bss//,/ } --prefill-chunk 4096 \
-      --skip-compile --skip-hf-generate --strategies full+fused --repeats 1 \
-      --out "$OUT/long_${preset}.md" --json "$OUT/long_${preset}.json" 2>&1 | tee "$OUT/long_${preset}.log" \
-      | grep -E "^\| [0-9]|floor|failed|Error" | head -8
-  done
+if has long; then
+  long_rows
 fi
 if has capture; then
   for w in 1 3; do

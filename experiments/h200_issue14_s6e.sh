@@ -7,13 +7,7 @@ OUT=${1:-experiments/results/h200/issue14_s6/topk}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 D=slot+overlap+router+gemv+pdl
-variants() {  # TAG PRESET LAYERS ARGS...
-  local tag=$1 preset=$2 layers=$3; shift 3
-  python3 experiments/bench_step_variants.py --preset "$preset" --num-layers "$layers" "$@" \
-    --out "$OUT/variants_$tag.md" --json "$OUT/variants_$tag.json" 2>&1 | tee "$OUT/variants_$tag.log" \
-    | grep -E "^\| [0-9]|failed"
-}
-old() { PYTHONPATH="${OLD:-.gpu/old}:$PYTHONPATH" variants "$@"; }
+source experiments/h200_issue14_lib.sh  # variants(), old()
 python3 -m pytest -q -m gpu tests/test_fast_gpu.py -k "route or fused_full_capture or families" 2>&1 | tail -2 \
   | tee "$OUT/gpu_tests.log"
 variants qwen3 qwen3_30b_a3b 12 --batch 1 8 --variants $D $D+up_n=16 $D+up_n=16+up_k=256 $D+down_n=32+down_k=64
