@@ -176,7 +176,7 @@ class Capture:
 
         eng, state = self.engine, state_of(self.engine.model)
         key = (tuple(order), eng.max_cache_len, triton_ops.pdl_mode(eng.device), tiles.MOE_TILE_RULES,
-               tiles.GEMV_RULES, state.dispatcher.name if state is not None and state.dispatcher is not None else None)
+               tiles.GEMV_RULES, state.dispatcher.name)
         done = _PRECOMPILED.setdefault(eng.model, set())
         if key in done:
             self.precompiled = {"launches": 0, "specialisations": 0, "seconds": 0.0,
