@@ -1,7 +1,8 @@
 """Decode attention (moecg.kernels.triton_ops.attn_decode) vs the number of context splits, short and long contexts:
-the data behind attn_splits' choice (issue 14: the split heuristic tuned for long contexts, not only 256 slots).
+the data behind attn_splits' choice (the split heuristic tuned for long contexts, not only 256 slots).
 
-  python experiments/bench_attn_splits.py --out experiments/results/h200/attn_splits.md
+  python experiments/bench_attn_splits.py --out experiments/results/attn_splits/attn_splits.md \
+      --json experiments/results/attn_splits/attn_splits.json    # bash experiments/gpu.sh attn_splits
 
 Per shape (q heads / kv heads / head dim of one layer), rows T and cache (L slots, position p): ms per call (CUDA
 events, median of --iters after warmup, one call per event pair) for each split count, and the live-KV bandwidth

@@ -1,9 +1,9 @@
 """µs per MoE layer for each dispatcher at decode batch sizes, eager and captured in a CUDA graph.
 
-  python experiments/bench_dispatch.py --out experiments/results/h200/dispatch.md \
-      --json experiments/results/h200/dispatch.json
+  python experiments/bench_dispatch.py --out experiments/results/dispatch/dispatch.md \
+      --json experiments/results/dispatch/dispatch.json
   python experiments/bench_dispatch.py --device cpu --preset mixtral_tiny --batch 1 4 --repeats 5  # CPU: no graphs
-  python experiments/bench_dispatch.py --scope fused --only dropless fused capacity-1.25  # equal kernels (issue 14)
+  python experiments/bench_dispatch.py --scope fused --only dropless fused capacity-1.25  # equal kernels (gpu.sh capacity)
 
 Dims: B batch rows (one decode token each, so T = B tokens), K top-k, E experts, D hidden.
 One model of each preset with a single decoder layer. Scope `experts`: the experts forward alone (HF's module,

@@ -2,7 +2,7 @@
 dispatchers on the same model, rows and ranks, per strategy, with the share of the step spent in the exchange.
 
   torchrun --nproc-per-node 8 experiments/bench_ep.py --preset mixtral_8x7b --batch 1 8 32 \\
-      --out experiments/results/h200x8/ep_mixtral_8x7b_ep8.md --json experiments/results/h200x8/ep_mixtral_8x7b_ep8.json
+      --out experiments/results/ep/bench_mixtral_8x7b_ep8.md --json experiments/results/ep/bench_mixtral_8x7b_ep8.json
   torchrun --nproc-per-node 2 experiments/bench_ep.py --preset mixtral_tiny --batch 2 --new-tokens 4   # CPU, gloo
 
 Dims: R ranks, B rows per rank (the job decodes R x B), E experts, El = E/R.

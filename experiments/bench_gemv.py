@@ -2,7 +2,7 @@
 (triton_ops.linear) over a grid of tiles, per shape and batch, on one GPU. Sets moecg.kernels.tiles.GEMV_RULES.
 
   python experiments/bench_gemv.py --presets qwen1_5_moe_a2_7b qwen3_30b_a3b mixtral_8x7b --batch 1 2 4 8 16 \
-      --out experiments/results/h200/issue14_s5/gemv.md --json experiments/results/h200/issue14_s5/gemv.json
+      --out experiments/results/gemv/gemv.md --json experiments/results/gemv/gemv.json
 
 Each op runs `--reps` times back to back in one CUDA graph (as inside the captured step: no launch overhead) on a
 ring of distinct weight copies larger than L2 (each call streams its weight from HBM, as each layer does), median of

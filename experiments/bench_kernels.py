@@ -1,6 +1,6 @@
 """Per-op timings of the fused decode path on one layer of a real-shape model (GPU), incl. MoE kernel configs.
 
-  python experiments/bench_kernels.py --preset qwen1_5_moe_a2_7b --batch 1 8 32 --out experiments/results/h200/kernels_qwen1_5.md
+  python experiments/bench_kernels.py --preset qwen1_5_moe_a2_7b --batch 1 8 32 --out experiments/results/kernels/kernels_qwen1_5_moe_a2_7b.md
 
 Each op is captured 20 times back to back in one CUDA graph and replayed; time = median replay / 20 (CUDA
 events, after warmup), so launch overhead is excluded, as inside moecg's captured step. GB/s counts the weight

@@ -1,6 +1,6 @@
-"""What per-row positions cost on the fused step, and whether host scheduling starves the GPU (issue 12 targets).
+"""What per-row positions cost on the fused step, and whether host scheduling starves the GPU.
 
-  python experiments/bench_ragged_cost.py --preset qwen1_5_moe_a2_7b --batch 8 32 --out experiments/results/h200/ragged_cost.md
+  python experiments/bench_ragged_cost.py --preset qwen1_5_moe_a2_7b --batch 8 32 --out experiments/results/ragged_cost/ragged_cost.md
   python experiments/bench_ragged_cost.py --preset qwen3_moe_tiny --device cpu --batch 2 --steps 4   # smoke
 
 Per batch B, both captured once in bucket B with `strategy=full capture.kernels=fused dispatch=fused`:

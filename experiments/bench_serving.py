@@ -1,7 +1,7 @@
-"""Serving on one GPU (issue 12): moecg's strategies on RaggedEngine against transformers' continuous batching,
+"""Serving on one GPU: moecg's strategies on RaggedEngine against transformers' continuous batching,
 same model, same requests, same process; and the exactness of continuous batching on HF's modules.
 
-  python experiments/bench_serving.py --out experiments/results/h200/serving          # Qwen1.5-MoE, 24 layers, H200
+  python experiments/bench_serving.py --out experiments/results/serving               # Qwen1.5-MoE, 24 layers, H200
   python experiments/bench_serving.py --quick --out /tmp/serving_quick                 # the same, smaller
   python experiments/bench_serving.py --preset mixtral_tiny --device cpu --backend emulate --requests 4 3 \\
       --max-batch 4 2 --prompt 3 9 --new 4 --exact-requests 3 --out /tmp/serving_cpu  # CPU smoke (tests)

@@ -1,7 +1,7 @@
 """The fused decode step's launch and grid variants, one shape per process, each against the others and the floor.
 
   python experiments/bench_step_variants.py --preset qwen3_30b_a3b --num-layers 12 --batch 1 8 \
-      --out experiments/results/h200/issue14_step/variants_qwen3.md --json .../variants_qwen3.json
+      --out experiments/results/step_variants/variants_qwen3.md --json .../variants_qwen3.json
 
 Variants (names: `+`-joined switches on top of `base`):
   base     every Triton kernel launched plainly (triton_ops.PDL 0), the shared expert on the main stream

@@ -1,6 +1,6 @@
 """ms per decode step for every capture strategy on one model, several batch sizes, in one process.
 
-  python experiments/bench_strategies.py --preset qwen1_5_moe_a2_7b --batch 1 8 32 --out experiments/results/h200/strategies_qwen1_5.md
+  python experiments/bench_strategies.py --preset qwen1_5_moe_a2_7b --batch 1 8 32 --out experiments/results/strategies/strategies.md
 
 Timing: CUDA events around each decode step, after one untimed warm generate; the first `--skip` steps of
 each repeat are left out; median and p90 over all remaining steps of `--repeats` generates. Fidelity: greedy

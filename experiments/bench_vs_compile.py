@@ -1,10 +1,10 @@
-"""HF generate vs the torch.compile recipe vs moecg's strategies: one model, one process, one table (issue 6).
+"""HF generate vs the torch.compile recipe vs moecg's strategies: one model, one process, one table.
 
-  python experiments/bench_vs_compile.py --preset qwen1_5_moe_a2_7b --batch 1 8 --out experiments/results/h200/vs_compile.md
+  python experiments/bench_vs_compile.py --preset qwen1_5_moe_a2_7b --batch 1 8 --out experiments/results/vs_compile/vs_compile_qwen1_5.md
   python experiments/bench_vs_compile.py --preset mixtral_tiny --device cpu --batch 1 --compile-mode default  # smoke
   python experiments/bench_vs_compile.py --preset qwen3_30b_a3b --num-layers 12 --batch 1 8 --prompt-len 30000 \
       --cache-len 32768 --buckets 1 8 --prefill-chunk 2048 --skip-compile --skip-hf-generate \
-      --strategies full full+fused  # long context (issue 14): the engine holds max(--buckets) rows of the cache
+      --strategies full full+fused  # long context: the engine holds max(--buckets) rows of the cache
 
 Rows, all greedy, ms per decode step (prefill excluded), same prompts, same max cache length:
   hf_generate      `model.generate()` with its defaults (DynamicCache; experts_implementation grouped_mm, which

@@ -1,7 +1,7 @@
-"""Time to capture every bucket of a strategy, from a cold and from a warm Triton cache (issue 14).
+"""Time to capture every bucket of a strategy, from a cold and from a warm Triton cache.
 
-  python experiments/capture_time.py --preset qwen1_5_moe_a2_7b --out experiments/results/h200/capture_time.md \
-      --json experiments/results/h200/capture_time.json
+  python experiments/capture_time.py --preset qwen1_5_moe_a2_7b --out experiments/results/capture_time/capture_time.md \
+      --json experiments/results/capture_time/capture_time.json
   python experiments/capture_time.py --preset mixtral_tiny --device cpu --buckets 1 2 4  # smoke (emulated graphs)
 
 Each run is a fresh process (nothing compiled in memory): `cold` with TRITON_CACHE_DIR (and TORCHINDUCTOR_CACHE_DIR)
@@ -216,11 +216,11 @@ def report(rows: list[dict], args) -> str:
             f"{r['run']} {r['recapture_s']:.2f} s" for r in rows if r.get("recapture_s") is not None)]
     by = {r["run"]: r["capture_all_s"] for r in rows}
     if r0["device"] != "cuda":
-        lines += ["", f"issue 14's targets (cold <= {args.target_cold} s, warm <= {args.target_warm} s) are for a GPU "
+        lines += ["", f"the targets (cold <= {args.target_cold} s, warm <= {args.target_warm} s) are for a GPU "
                   f"with Triton; this {r0['device']} run is a smoke test"]
         return "\n".join(lines)
     met = lambda x, t: f"{'met' if x <= t else 'NOT met'}, {x:.2f} s"  # noqa: E731
-    lines += ["", f"issue 14 target: cold <= {args.target_cold} s ({met(by['cold'], args.target_cold)}), warm <= "
+    lines += ["", f"target: cold <= {args.target_cold} s ({met(by['cold'], args.target_cold)}), warm <= "
               f"{args.target_warm} s ({met(by['warm'], args.target_warm)})"]
     return "\n".join(lines)
 

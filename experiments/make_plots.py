@@ -17,16 +17,15 @@ ROOT = Path(__file__).resolve().parent / "results"
 
 
 def main() -> None:
-    sweeps = ROOT / "h200" / "sweeps"
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    plot_speedup(load_results(sweeps / "strategy_matrix_qwen1_5_moe_a2_7b_L4", sweeps / "strategy_matrix_mixtral_8x7b_L2"),
+    plot_speedup(load_results(ROOT / "strategy_matrix" / "qwen1_5_moe_a2_7b_L4", ROOT / "strategy_matrix" / "mixtral_8x7b_L2"),
                  ax=axes[0])
     axes[0].set_title("H200: speedup vs eager (Qwen1.5-MoE 4 layers, Mixtral-8x7B 2 layers)")
-    plot_drop_rate(load_results(sweeps / "capacity_sweep_qwen1_5_moe_a2_7b_L4", sweeps / "capacity_sweep_mixtral_8x7b_L2"),
+    plot_drop_rate(load_results(ROOT / "capacity_sweep" / "qwen1_5_moe_a2_7b_L4", ROOT / "capacity_sweep" / "mixtral_8x7b_L2"),
                    ax=axes[1])
     axes[1].set_title("H200 random weights: decode drop rate (dashed: uniform routing)")
     fig.tight_layout()
-    fig.savefig(ROOT / "h200" / "strategies_and_drops.png", dpi=110)
+    fig.savefig(ROOT / "strategy_matrix" / "strategies_and_drops.png", dpi=110)
 
     stdlib = ROOT / "stdlib_capacity_sweep"
     fig = plot_quality(load_results(stdlib))
@@ -34,7 +33,7 @@ def main() -> None:
     fig.suptitle("trained stdlib models (CPU): held-out bits/byte cost and drop rate vs capacity factor, bs 8")
     fig.tight_layout()
     fig.savefig(stdlib / "quality_vs_capacity.png", dpi=110)
-    print("wrote", ROOT / "h200" / "strategies_and_drops.png", stdlib / "quality_vs_capacity.png")
+    print("wrote", ROOT / "strategy_matrix" / "strategies_and_drops.png", stdlib / "quality_vs_capacity.png")
 
 
 if __name__ == "__main__":

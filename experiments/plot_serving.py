@@ -1,5 +1,5 @@
 """Latency vs throughput per strategy from bench_serving.py's JSON (one point per max batch):
-  python experiments/plot_serving_h200.py experiments/results/h200/issue12/serving.json experiments/results/h200/issue12/serving.png
+  python experiments/plot_serving.py experiments/results/serving/serving.json experiments/results/serving/serving.png
 """
 import json
 import sys

@@ -1,0 +1,388 @@
+#!/usr/bin/env bash
+# The GPU runner: named benchmark suites, each writing its logs and outputs under $OUT/<benchmark>/ through tee (so a
+# run cut short still leaves what it measured). From the project root:
+#   bash experiments/gpu.sh <suite> [<suite>...]      e.g.  bash experiments/gpu.sh tests floor
+#   bash experiments/gpu.sh list                      the suites, their results folders and what they run
+# Environment:
+#   OUT=<dir>            results root (default experiments/results); a suite writes $OUT/<benchmark>/ and gpu.txt there
+#   OLD=<dir>            a folder holding an older commit's moecg/ package (below): every suite runs a second time with
+#                        it first on PYTHONPATH, into $OUT/<benchmark>/old/, so before and after share one host
+#                          mkdir -p .gpu/old && git archive <sha> moecg | tar -x -C .gpu/old   # then carry .gpu/old
+#   MOECG_GIT_SHA=<sha>  the commit the results record (default: git rev-parse --short HEAD where there is a .git;
+#                        a copy shipped to a GPU machine has none, so pass it); OLD_SHA=<sha> for the OLD pass
+#   WHEELS=<dir>         wheels installed into /tmp/site first when the folder holds any (default .whl: the packages
+#                        the H200 image lacks, built by make_wheelhouse.sh); WHEELS= skips the install
+# Suite knobs (defaults are the settings of the committed results): TESTS / TEST_K (pytest paths, -k; `tests`), VARIANTS
+# (`step_variants`), EPS / MODELS / BATCH / RUN_BATCH / STRATEGIES (`ep`), TRAIN_MODELS / MINUTES (`train_stdlib`),
+# SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`).
+set -u -o pipefail
+OUT=${OUT:-experiments/results}
+PASS=new  # or old: the OLD package's pass
+
+# -- helpers -------------------------------------------------------------------------------------------------------
+# bench NAME: this suite's output folder D ($OUT/NAME, or $OUT/NAME/old in the OLD pass) and its gpu.txt (machine,
+# versions, commit).
+bench() {
+  D=$OUT/$1
+  [ "$PASS" = old ] && D=$D/old
+  mkdir -p "$D"
+  { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
+    python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__)" 2>&1
+    echo "commit $MOECG_GIT_SHA"; } > "$D/gpu.txt"
+}
+# t FILE CMD...: run CMD, its stdout and stderr into $D/FILE and on to the console filter after it (tee -p: a filter
+# that stops early, as head does, does not cut the log short).
+t() { local f=$1; shift; "$@" 2>&1 | tee -p "$D/$f"; }
+vs_compile() { python3 experiments/bench_vs_compile.py "$@"; }
+variants() { python3 experiments/bench_step_variants.py "$@"; }
+
+# step PRESET LAYERS STRATEGIES...: one shape's floor row at bs 1 and 8 (bench_vs_compile.py, one process)
+step() {
+  local preset=$1 layers=$2; shift 2
+  t "step_${preset}_${layers}.log" vs_compile --preset "$preset" --num-layers "$layers" --batch 1 8 --strategies "$@" \
+    --skip-hf-generate --skip-compile --repeats 2 --out "$D/step_${preset}_${layers}.md" \
+    --json "$D/step_${preset}_${layers}.json" | grep -E "own floor|failed|Error" | head -4
+}
+# variant TAG PRESET LAYERS ARGS...: bench_step_variants on one shape, outputs variants_TAG.{md,json,log}
+variant() {
+  local tag=$1 preset=$2 layers=$3; shift 3
+  t "variants_$tag.log" variants --preset "$preset" --num-layers "$layers" "$@" --out "$D/variants_$tag.md" \
+    --json "$D/variants_$tag.json" | grep -E "^\| [0-9]|failed"
+}
+D_STEP=slot+overlap+router+gemv+pdl  # every default switch of the fused step
+
+# -- suites: suite_NAME, each starting with `bench FOLDER` ---------------------------------------------------------
+suite_tests() {  # the project's GPU tests (pytest -m gpu)
+  bench gpu_tests
+  t gpu_tests.log python3 -m pytest -q -s -m gpu ${TESTS:-tests} ${TEST_K:+-k "$TEST_K"} | grep -E "passed|failed|error|FAILED" | tail -8
+}
+suite_floor() {  # the floor table: the fused step at bs 1 and 8 on the real-shape presets, capacity+fused beside dropless
+  bench floor
+  step qwen1_5_moe_a2_7b 24 full+fused capacity+fused
+  step qwen3_30b_a3b 12 full+fused capacity+fused
+  step mixtral_8x7b 8 full+fused capacity+fused
+  step qwen3_30b_a3b 48 full+fused
+  step mixtral_8x7b 32 full+fused
+}
+suite_long_context() {  # 30k-token prompt, 32k-slot cache, 4096-token prefill chunks; Qwen1.5 bs 1 only (103 GB of KV at bs 8)
+  bench long_context
+  local spec preset layers bss
+  for spec in "qwen3_30b_a3b 12 1,8" "mixtral_8x7b 8 1,8" "qwen1_5_moe_a2_7b 24 1"; do
+    read -r preset layers bss <<< "$spec"
+    t "long_${preset}.log" vs_compile --preset "$preset" --num-layers "$layers" --batch ${bss//,/ } \
+      --prompt-len 30000 --new-tokens 16 --cache-len 32768 --buckets ${bss//,/ } --prefill-chunk 4096 \
+      --skip-compile --skip-hf-generate --strategies full+fused --repeats 1 \
+      --out "$D/long_${preset}.md" --json "$D/long_${preset}.json" | grep -E "^\| [0-9]|floor|failed|Error" | head -12
+  done
+}
+suite_capture() {  # capture time of buckets 1-64, cold and warm Triton cache, at capture.warmup 1 and 3, with a re-capture
+  bench capture_time
+  local w
+  for w in 1 3; do
+    t "capture_time_w$w.log" python3 experiments/capture_time.py --preset qwen1_5_moe_a2_7b --warmup $w --recapture \
+      --out "$D/capture_time_w$w.md" --json "$D/capture_time_w$w.json" | grep -E "^\| (cold|warm)|re-capture|target"
+  done
+}
+suite_capture_precompile() {  # capture time with and without the precompile pass; a host-side cProfile of each run
+  bench capture_time
+  local pre tag
+  for pre in "" "--no-precompile"; do
+    tag=${pre:+_no_precompile}
+    t "capture_time_precompile$tag.log" python3 experiments/capture_time.py --preset qwen1_5_moe_a2_7b $pre \
+      --out "$D/capture_time_precompile$tag.md" --json "$D/capture_time_precompile$tag.json" | grep -E "^\| (cold|warm)|target"
+  done
+  t capture_time_profiled.log python3 experiments/capture_time.py --preset qwen1_5_moe_a2_7b \
+    --out "$D/capture_time_profiled.md" --json "$D/capture_time_profiled.json" --profile "$D/capture_profile" | tail -3
+}
+suite_fidelity() {  # the trained stdlib models on the fused step (Triton) against HF eager: free-running, teacher-forced, margins
+  bench fidelity
+  t stdlib_fidelity.log python3 experiments/fidelity_fused.py --preset mixtral_stdlib qwen2_moe_stdlib --backend triton \
+    --device cuda | tail -6
+}
+suite_profile() {  # per kernel without PDL (each kernel's time its own), and the default step beside it
+  bench profile
+  local spec preset layers tag
+  for spec in "qwen3_30b_a3b 12 qwen3" "qwen1_5_moe_a2_7b 24 qwen15"; do
+    read -r preset layers tag <<< "$spec"
+    t "profile_$tag.log" variants --preset "$preset" --num-layers "$layers" --batch 1 \
+      --variants $D_STEP slot+overlap+router+gemv --profile slot+overlap+router+gemv \
+      --out "$D/profile_$tag.md" --json "$D/profile_$tag.json" | grep -E "^\| [0-9]|failed"
+  done
+}
+suite_profile_step() {  # torch.profiler totals per kernel of the captured fused step (profile_step.py)
+  bench profile
+  local b
+  for b in 1 8; do
+    t "profile_step_qwen1_5_bs$b.txt" python3 experiments/profile_step.py --preset qwen1_5_moe_a2_7b --batch $b | head -30
+  done
+}
+suite_step_variants() {  # the fused step's launch/tile variants against the default step, logits compared bit for bit
+  bench step_variants
+  if [ -n "${VARIANTS:-}" ]; then
+    variant qwen3 qwen3_30b_a3b 12 --batch 1 8 --variants $VARIANTS
+    variant mixtral mixtral_8x7b 8 --batch 1 --variants $VARIANTS
+    variant qwen15 qwen1_5_moe_a2_7b 24 --batch 1 --variants $VARIANTS
+    return
+  fi
+  variant qwen3 qwen3_30b_a3b 12 --batch 1 8 --variants $D_STEP $D_STEP+up_n=16 $D_STEP+up_n=16+up_k=256 \
+    $D_STEP+down_n=32+down_k=64
+  variant mixtral mixtral_8x7b 8 --batch 1 --variants $D_STEP
+  variant qwen15 qwen1_5_moe_a2_7b 24 --batch 1 --variants $D_STEP $D_STEP+up_n=16
+}
+suite_gemv() {  # the qkv / o projections at T 1-16: cuBLAS against the Triton GEMV over a grid of tiles, plain launches
+  bench gemv
+  t gpu_tests_gemv.log python3 -m pytest -q -m gpu tests -k gemv | tail -3
+  t gemv.log python3 experiments/bench_gemv.py --pdl 0 --out "$D/gemv.md" --json "$D/gemv.json" | grep -E "^\| [a-z]|failed"
+}
+suite_capacity() {  # capacity on equal kernels: its Triton kernels' GPU tests, one MoE layer per dispatcher as the fused step calls it
+  bench capacity
+  t gpu_tests.log python3 -m pytest -q -s -m gpu tests -k "capacity_kernel or moe_kernel_matches_reference_and_counts or \
+moe_kernel_gpt_oss_experts or fused_full_capture_matches_hf_eager" | grep -E "passed|failed|error|FAILED" | tail -8
+  t dispatch.log python3 experiments/bench_dispatch.py --preset qwen1_5_moe_a2_7b mixtral_8x7b qwen3_30b_a3b --batch 1 8 \
+    --scope experts fused --only dropless fused capacity-1.0 capacity-1.25 --repeats 10 \
+    --out "$D/dispatch.md" --json "$D/dispatch.json" | tail -30
+}
+suite_capacity_non_bucket() {  # capacity at a batch that is not a bucket size, through the CLI: captured vs eager drops
+  bench capacity_non_bucket
+  local spec model layers cf tag dt s k run
+  for spec in "mixtral_8x7b 2 1.25 mixtral_8x7b_L2_cf1.25" "qwen1_5_moe_a2_7b 4 1.0 qwen1_5_L4_cf1.0"; do
+    read -r model layers cf tag <<< "$spec"
+    for dt in bf16 fp32; do
+      for s in eager capacity; do
+        for k in hf fused; do
+          run="$D/$tag/cap_bs5_${dt}_${s}_${k}"
+          # hydra.output_subdir=null: no .hydra/ folder (it records this machine's working directory)
+          t "${tag}_${dt}_${s}_${k}.log" python3 -m moecg.run strategy=$s capture.kernels=$k model.dtype=$dt model=$model \
+            model.num_layers=$layers dispatch=capacity dispatch.capacity_factor=$cf batch_size=5 new_tokens=32 prompt_len=32 \
+            measure.repeats=3 hydra.output_subdir=null hydra.run.dir="$run" > /dev/null \
+            || echo "run $tag $dt $s $k failed: $(tail -1 "$D/${tag}_${dt}_${s}_${k}.log")"
+        done
+      done
+    done
+    python3 - "$D/$tag" "$D/capacity_bs5_$tag" <<'PY'
+import json, sys, pathlib
+out, stem = pathlib.Path(sys.argv[1]), sys.argv[2]
+rows, raw = [], []
+for f in sorted(out.glob("cap_bs5_*/results.json")):
+    r = json.loads(f.read_text())
+    raw.append(r)
+    if r.get("status") != "ok":
+        rows.append(f"| {f.parent.name} | failed: {r.get('error')} |")
+        continue
+    rows.append(f"| {r['dtype']} | {r['strategy']} | {r['kernels']} | {r['batch_size']} | {r['bucket']} | {r['captured']} | "
+                f"{r['capacity']} | {r['capacity_buffer']} | {r['dropped_assignments']} / {r['routed_assignments']} | "
+                f"{r['drop_rate']:.4f} | {r['ms_per_token_p50']:.3f} | {r['token_agreement_forced_vs_eager']:.3f} |")
+table = ("| dtype | strategy | kernels | batch | bucket | captured | C applied | C buffer | dropped / routed | drop rate | "
+         "ms/step p50 | forced agreement vs dropless eager |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+         + "\n".join(rows))
+print(table)
+pathlib.Path(stem + ".md").write_text(table + "\n")
+pathlib.Path(stem + ".json").write_text(json.dumps(raw, indent=1))
+PY
+  done
+}
+suite_dispatch() {  # one MoE layer per dispatcher, eager and graph, bs 1-64
+  bench dispatch
+  t dispatch.log python3 experiments/bench_dispatch.py --preset qwen1_5_moe_a2_7b mixtral_8x7b --batch 1 4 8 16 32 64 \
+    --scope experts block --out "$D/dispatch.md" --json "$D/dispatch.json" | tail -30
+}
+suite_attn_splits() {  # the decode attention's time by split count at short and long contexts (the data behind attn_splits)
+  bench attn_splits
+  t attn_splits.log python3 experiments/bench_attn_splits.py --out "$D/attn_splits.md" --json "$D/attn_splits.json" | tail -20
+}
+suite_kernels() {  # per-op us of the fused path on one real-shape layer in a CUDA graph, MoE tile configs, vs dropless and SDPA
+  bench kernels
+  local p
+  for p in qwen1_5_moe_a2_7b mixtral_8x7b qwen3_30b_a3b; do
+    t "kernels_$p.log" python3 experiments/bench_kernels.py --preset $p --batch 1 8 32 --out "$D/kernels_$p.md" \
+      --json "$D/kernels_$p.json" | tail -8
+  done
+}
+suite_kernels_matrix() {  # experiment=kernels_matrix: {hf, fused} step kernels x {dropless, fused} dispatch (Hydra jobs)
+  bench kernels_matrix
+  t kernels_matrix.log python3 -m moecg.run experiment=kernels_matrix measure.eager_baseline=false \
+    hydra.sweep.dir="$D/sweep" | tail -12
+}
+suite_strategies() {  # ms/step of every strategy on the full Qwen1.5-MoE shape, one build, one process
+  bench strategies
+  t strategies.log python3 experiments/bench_strategies.py --preset qwen1_5_moe_a2_7b --batch 1 8 32 --repeats 2 \
+    --out "$D/strategies.md" --json "$D/strategies.json" | grep -vE "^\{" | tail -30
+}
+sweep() {  # EXPERIMENT PRESET LAYERS OVERRIDES...: one Hydra sweep, layers cut to fit a 10-minute device call
+  local exp=$1 preset=$2 layers=$3; shift 3
+  t "${preset}_L$layers.log" python3 -m moecg.run experiment=$exp model=$preset model.num_layers=$layers "$@" \
+    new_tokens=16 prompt_len=32 measure.repeats=2 isolate=false hydra.sweep.dir="$D/${preset}_L$layers" | tail -4
+}
+suite_strategy_matrix() {  # experiment=strategy_matrix on the Qwen1.5-MoE (4 layers) and Mixtral-8x7B (2 layers) shapes
+  bench strategy_matrix
+  sweep strategy_matrix qwen1_5_moe_a2_7b 4
+  sweep strategy_matrix mixtral_8x7b 2
+}
+suite_capacity_sweep() {  # experiment=capacity_sweep (strategy=capacity, drop_policy=probs) on the same two shapes, bs 8-64
+  bench capacity_sweep
+  sweep capacity_sweep qwen1_5_moe_a2_7b 4 batch_size=8,32,64 measure.eager_baseline=false
+  sweep capacity_sweep mixtral_8x7b 2 batch_size=8,32,64 measure.eager_baseline=false
+}
+suite_vs_compile() {  # HF generate, torch.compile(reduce-overhead) and moecg's strategies, one process per shape, fresh caches
+  bench vs_compile
+  local spec preset layers name
+  for spec in "qwen1_5_moe_a2_7b - qwen1_5" "mixtral_8x7b 8 mixtral" "qwen3_30b_a3b 12 qwen3"; do
+    read -r preset layers name <<< "$spec"
+    [ "$layers" = - ] && layers=""
+    TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) t "vs_compile_$name.log" vs_compile \
+      --preset "$preset" ${layers:+--num-layers "$layers"} --batch 1 8 \
+      --strategies partial full capacity full+fused capacity+fused \
+      --out "$D/vs_compile_$name.md" --json "$D/vs_compile_$name.json" | grep -E "^\| [0-9]|failed|Error"
+  done
+}
+suite_vs_compile_families() {  # the same per newer family at bs 1 and 8 (HF-module strategies for MLA, whose fused step is refused)
+  bench vs_compile
+  local spec name layers strategies
+  for spec in "glm4_5_air 8 F" "olmoe_1b_7b 16 F" "gpt_oss_20b ${GPT_OSS_LAYERS:-24} F" \
+              "deepseek_v2_lite ${V2_LITE_LAYERS:-27} H" "deepseek_v3 5 H"; do
+    read -r name layers strategies <<< "$spec"
+    [ "$strategies" = F ] && strategies="partial full capacity full+fused capacity+fused" || strategies="partial full capacity"
+    t "vs_compile_$name.log" timeout ${BENCH_TIMEOUT:-170} python3 experiments/bench_vs_compile.py --preset "$name" \
+      --num-layers "$layers" --batch 1 8 ${BENCH_ARGS:-} --strategies $strategies --out "$D/vs_compile_$name.md" \
+      --json "$D/vs_compile_$name.json" | tail -4
+  done
+}
+suite_serving() {  # moecg's serving against transformers' continuous batching, exactness of continuous batching; the plot
+  bench serving
+  t serving.log timeout ${SERVING_TIMEOUT:-300} python3 experiments/bench_serving.py --variants full capacity full+fused \
+    --out "$D" ${SERVING_ARGS:-} | grep -vE "warn|^\s*$" | tail -30
+  [ -f "$D/serving.json" ] && python3 experiments/plot_serving.py "$D/serving.json" "$D/serving.png"
+}
+suite_ragged_cost() {  # what per-row positions cost on the fused step, and GPU idle between decode steps
+  bench ragged_cost
+  t ragged_cost.log timeout ${COST_TIMEOUT:-90} python3 experiments/bench_ragged_cost.py --batch 8 32 \
+    --out "$D/ragged_cost.md" --json "$D/ragged_cost.json" | tail -8
+}
+suite_serving_stdlib() {  # the trained models served on the fused step: each request's tokens vs it decoded alone eagerly
+  bench serving_stdlib
+  local m
+  for m in mixtral_stdlib qwen2_moe_stdlib; do
+    t "serve_$m.log" timeout 120 python3 -m moecg.run model=$m workload=poisson workload.rate=100 workload.n_requests=32 \
+      workload.output_len=64 'workload.prompt_len=[16,128]' workload.max_batch=16 capture.kernels=fused dispatch=fused \
+      strategy=full measure.fidelity_rows=32 hydra.output_subdir=null hydra.run.dir="$D/serve_$m" > /dev/null \
+      || echo "serve $m failed: $(tail -2 "$D/serve_$m.log")"
+    python3 -c "import json,sys; r=json.load(open('$D/serve_$m/results.json')); print('$m', {k: r.get(k) for k in ('status','captured','kernels','n_requests','token_agreement_vs_eager','output_tokens_per_s','tpot_ms_p90','gpu_idle_share','batch_size_hist')})" \
+      | tee -a "$D/serving_stdlib.md"
+  done
+}
+suite_ep1() {  # parallel.ep=1 under torchrun (one process group of one rank) gives the plain run's record
+  bench ep1
+  local s d common="model=qwen1_5_moe_a2_7b model.num_layers=4 batch_size=8 new_tokens=16 prompt_len=32 measure.repeats=2
+          hydra.output_subdir=null"
+  for s in full capacity; do
+    d=$([ $s = capacity ] && echo "dispatch=capacity" || echo "dispatch=dropless")
+    t "plain_$s.log" timeout 120 python3 -m moecg.run strategy=$s $d $common hydra.run.dir="$D/plain_$s" > /dev/null \
+      || echo "plain $s failed: $(tail -2 "$D/plain_$s.log")"
+    t "torchrun_$s.log" timeout 120 torchrun --standalone --nproc-per-node 1 -m moecg.run parallel.ep=1 strategy=$s $d \
+      $common hydra.run.dir="$D/torchrun_$s" > /dev/null || echo "torchrun $s failed: $(tail -2 "$D/torchrun_$s.log")"
+  done
+  python3 - "$D" <<'PY' | tee "$D/ep1.md"
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+keys = ["status", "ep", "captured", "dropped_assignments", "routed_assignments", "capacity", "token_agreement_vs_eager",
+        "token_agreement_forced_vs_eager", "max_logit_diff_vs_eager", "ms_per_token_p50"]
+print("| run | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
+for s in ("full", "capacity"):
+    for kind in ("plain", "torchrun"):
+        f = out / f"{kind}_{s}" / "results.json"
+        r = json.loads(f.read_text()) if f.exists() else {}
+        print(f"| {kind} {s} | " + " | ".join(str(r.get(k)) for k in keys) + " |")
+PY
+}
+suite_ep() {  # expert parallelism on one host of GPUs (nvidia-h200-x8; EPS="1 2" on an x2): GPU tests, bench_ep.py, moecg.run jobs
+  # MODELS: preset:num_layers (empty: whole depth). Qwen3-235B-A22B is cut to 16 of 94 layers: every rank builds the
+  # whole model before keeping its experts, so the cut must fit one GPU (16 layers: 82 GB in bf16).
+  bench ep
+  local eps=${EPS:-"1 2 4 8"} models=${MODELS:-"mixtral_8x7b: qwen3_30b_a3b: qwen3_235b_a22b:16"}
+  local batch=${BATCH:-"1 8 32"} run_batch=${RUN_BATCH:-"8"} strategies=${STRATEGIES:-"full capacity"} m p l ep s bs d
+  t gpu_tests.log python3 -m pytest -q -s -m gpu tests -k parallel | tail -5
+  for m in $models; do
+    p=${m%%:*}; l=${m#*:}
+    for ep in $eps; do
+      t "bench_${p}_ep${ep}.log" torchrun --standalone --nproc-per-node "$ep" experiments/bench_ep.py --preset "$p" \
+        ${l:+--layers "$l"} --batch $batch --new-tokens 16 --prompt-len 32 --out "$D/bench_${p}_ep${ep}.md" \
+        --json "$D/bench_${p}_ep${ep}.json" > /dev/null || echo "bench $p ep$ep failed: $(tail -3 "$D/bench_${p}_ep${ep}.log")"
+      for s in $strategies; do
+        for bs in $run_batch; do
+          d="run_${p}_ep${ep}_${s}_bs${bs}"
+          t "$d.log" torchrun --standalone --nproc-per-node "$ep" -m moecg.run parallel.ep="$ep" model="$p" \
+            ${l:+model.num_layers="$l"} strategy="$s" batch_size="$bs" new_tokens=32 prompt_len=32 measure.repeats=3 \
+            hydra.output_subdir=null hydra.run.dir="$D/$d" > /dev/null || echo "run $p ep$ep $s bs$bs failed: $(tail -1 "$D/$d.log")"
+        done
+      done
+    done
+  done
+  python3 - "$D" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+rows = ["| model | layers | ep | strategy | dispatch | rows/rank | ms/step p50 | eager ms | floor ms | exchange floor ms | "
+        "drop rate | forced agreement |", "|" + "---|" * 12]
+f = lambda v, p="{:.3f}": "-" if v is None else p.format(v)
+for j in sorted(out.glob("run_*/results.json")):
+    r = json.loads(j.read_text())
+    if r.get("status") != "ok":
+        rows.append(f"| {j.parent.name} | failed: {r.get('error')} |")
+        continue
+    rows.append(f"| {r['model']} | {r['num_layers']} | {r['ep']} | {r['strategy']} | {r['dispatch']} | {r['batch_size']} | "
+                f"{f(r['ms_per_token_p50'])} | {f(r['eager_ms_per_token_p50'])} | {f(r['floor_ms'])} | "
+                f"{f(r['exchange_floor_ms'])} | {f(r['drop_rate'], '{:.4f}')} | "
+                f"{f(r['token_agreement_forced_vs_eager'])} |")
+(out / "runs.md").write_text("\n".join(rows) + "\n")
+print("\n".join(rows))
+PY
+}
+suite_smoke() {  # the three real-shape presets build in bf16 and decode
+  bench smoke_real_shapes
+  t smoke_real_shapes.log python3 experiments/smoke_real_shapes.py
+}
+suite_diag_rope() {  # which rope_cache configuration gives Triton != the PyTorch reference bits
+  bench diag_rope
+  t diag_rope.log timeout 60 python3 experiments/diag_rope_gpu.py
+}
+suite_train_stdlib() {  # trains the shipped byte-level models (1.5 min each); checkpoints under train_stdlib/checkpoints/
+  bench train_stdlib
+  local m
+  for m in ${TRAIN_MODELS:-mixtral_stdlib qwen2_moe_stdlib deepseek_v3_stdlib}; do
+    t "train_$m.log" python3 experiments/train_stdlib.py --model $m --device cuda --minutes ${MINUTES:-1.5} \
+      --out "$D/checkpoints" | grep -v "Loading weights\|Writing model" | tail -3
+  done
+}
+
+# -- main ----------------------------------------------------------------------------------------------------------
+suites() { declare -F | sed -n 's/^declare -f suite_//p'; }
+if [ $# -eq 0 ] || [ "$1" = list ]; then
+  for s in $(suites); do
+    printf '%-22s %s\n' "$s" "$(declare -f "suite_$s" | sed -n 's/^ *bench \([a-z0-9_]*\);*$/\1/p' | head -1)"
+  done
+  [ $# -eq 0 ] && { echo "usage: bash experiments/gpu.sh <suite> [<suite>...]" >&2; exit 2; }
+  exit 0
+fi
+for s in "$@"; do
+  declare -F "suite_$s" > /dev/null || { echo "gpu.sh: no suite '$s'; the suites: $(suites | tr '\n' ' ')" >&2; exit 2; }
+done
+WHEELS=${WHEELS-.whl}
+if [ -n "$WHEELS" ] && compgen -G "$WHEELS/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+    || { echo "gpu.sh: installing $WHEELS/*.whl failed" >&2; exit 1; }
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+[ -n "${MOECG_GIT_SHA:-}" ] || MOECG_GIT_SHA=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export MOECG_GIT_SHA
+for s in "$@"; do
+  echo "== $s (commit $MOECG_GIT_SHA)"
+  PASS=new
+  "suite_$s"
+  if [ -n "${OLD:-}" ]; then
+    echo "== $s on $OLD/moecg (commit ${OLD_SHA:-unknown})"
+    PASS=old
+    PYTHONPATH="$OLD:$PYTHONPATH" MOECG_GIT_SHA=${OLD_SHA:-unknown} "suite_$s"
+  fi
+done
+exit 0
