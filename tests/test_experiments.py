@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -276,3 +277,48 @@ def test_notebook_runs_top_to_bottom(sweep, tmp_path, monkeypatch, which):
         assert f"{len(BATCHES) * len(FACTORS)} jobs" in text and len(images) == 4
     else:
         assert "No results" in text and not images
+
+
+# -- experiments/ as named benchmarks ----------------------------------------------------------------------------
+EXP = ROOT / "experiments"
+RUNNER = EXP / "gpu.sh"
+DIARY = re.compile(r"issue_?\d|session|(^|[_./-])(s\d+[a-z]?|r\d|run\d|round|step\d|final_[a-z])($|[_./-])")
+
+
+def _suites() -> dict[str, str]:
+    """The runner's suites, name -> body (bash functions `suite_NAME() {` ... `}` at column 0)."""
+    return dict(re.findall(r"^suite_(\w+)\(\) \{(.*?)^\}", RUNNER.read_text(), re.S | re.M))
+
+
+def test_runner_suites_name_existing_scripts_and_folders():
+    suites = _suites()
+    assert {"tests", "floor", "long_context", "capture", "fidelity", "vs_compile", "serving", "ep"} <= set(suites)
+    listed = subprocess.run(["bash", str(RUNNER), "list"], capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == sorted(suites)
+    for name, body in suites.items():
+        first = next(line.strip() for line in body.splitlines() if line.strip() and not line.strip().startswith("#"))
+        assert re.fullmatch(r"bench [a-z0-9_]+", first), f"suite {name} must start with `bench FOLDER`, not {first!r}"
+    # every script the runner names (suites and their helpers) exists, and so does every pytest path
+    scripts = set(re.findall(r"experiments/[\w/]+\.py", RUNNER.read_text()))
+    assert scripts and not [s for s in scripts if not (ROOT / s).is_file()]
+    assert not [p for p in re.findall(r"\btests/[\w/.]+", RUNNER.read_text()) if not (ROOT / p).exists()]
+
+
+def test_shell_scripts_parse():
+    scripts = sorted(EXP.rglob("*.sh"))
+    assert RUNNER in scripts
+    for s in scripts:
+        p = subprocess.run(["bash", "-n", str(s)], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, (s, p.stderr)
+
+
+def test_experiments_paths_name_benchmarks_not_rounds():
+    paths = [p.relative_to(EXP).as_posix() for p in EXP.rglob("*") if "__pycache__" not in p.parts]
+    assert len(paths) > 100
+    assert not [p for p in paths if DIARY.search(p.lower())]
+    for text in (EXP / "README.md", RUNNER):
+        assert not re.search(r"issue \d|issue-\d|session|this round", text.read_text(), re.I), text
+    # every results folder says which command, commit and machine produced it
+    results = EXP / "results"
+    assert not [d.name for d in results.iterdir() if d.is_dir() and not (d / "README.md").is_file()]
