@@ -4,7 +4,7 @@
 
 Dims: T tokens per MoE layer call (= batch rows during decode), K top-k, E experts, C capacity per expert.
 A results file is `run.py`'s results.json (one job, ok or failed), or any JSON file holding one such dict or a
-list of them (committed results, e.g. experiments/results/h200/). Plot helpers return a matplotlib Figure and
+list of them (committed results, e.g. experiments/results/). Plot helpers return a matplotlib Figure and
 never call show(), so they work under the Agg backend.
 """
 from __future__ import annotations
