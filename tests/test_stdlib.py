@@ -292,7 +292,7 @@ def test_router_comparison_tables_and_plots_two_sweeps(tmp_path):
     assert cmp.main([str(sweeps / "mixtral_stdlib"), str(sweeps / "qwen2_moe_stdlib"), "--out", str(tmp_path)]) == 0
     md = (tmp_path / "router_comparison.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith(("| probs |", "| position |"))]
-    assert len(rows) == 10 and "| probs | 1.25 | 0.201 | 0.170 | +0.303 | +0.039 |" in md  # the README's numbers
+    assert len(rows) == 10 and "| probs | 1.25 | 0.201 | 0.170 | +0.303 | +0.039 |" in md  # docs/results.md's numbers
     assert md.index("| mixtral_stdlib | aux loss") < md.index("| qwen2_moe_stdlib | aux loss")  # order of the dirs
     assert (tmp_path / "router_comparison.png").stat().st_size > 10_000
     assert cmp.main([str(tmp_path / "no_such_sweep")]) == 2
