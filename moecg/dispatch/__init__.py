@@ -9,8 +9,9 @@ from transformers.integrations.moe import ExpertsInterface
 
 from moecg.dispatch import capacity, dropless, dynamic, fused  # noqa: F401  (register the dispatchers)
 from moecg.dispatch.base import REGISTRY, Dispatcher, check_experts, make_dispatcher
-from moecg.dispatch.capacity import Capacity, capacity_slots
+from moecg.dispatch.capacity import Capacity
 from moecg.dispatch.state import DispatchState, LayerCounters
+from moecg.moe_math import capacity_slots
 
 __all__ = ["REGISTRY", "Dispatcher", "DispatchState", "LayerCounters", "Capacity", "attach", "detach",
            "make_dispatcher", "capacity_slots", "state_of", "impl_name", "register_experts_impl"]

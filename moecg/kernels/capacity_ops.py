@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moecg.dispatch.capacity import DROP_POLICIES, capacity
+from moecg.moe_math import DROP_POLICIES, capacity
 from moecg.kernels.tiles import moe_tiles
 from moecg.kernels.triton_ops import ExpertArgs, _down_tile, _dry_zeros, _launch, _p2, _up_tile
 

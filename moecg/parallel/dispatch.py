@@ -27,9 +27,10 @@ from typing import ClassVar
 
 import torch
 
-from moecg.dispatch.base import count_valid, expert_mlp_grouped, expert_mlp_padded, route_counts, routed_mass
+from moecg.dispatch.base import expert_mlp_grouped, expert_mlp_padded
 from moecg.dispatch.capacity import Capacity
 from moecg.dispatch.dropless import Dropless, weigh_unsort
+from moecg.moe_math import count_valid, route_counts, routed_mass
 
 
 class ExpertParallel:
