@@ -10,7 +10,7 @@ runs eagerly at its own batch size or padded up to a captured bucket.
 
 Two implementations of one function. HF's modules call `forward`: the PyTorch path above (Megatron's layout). The
 fused decode step (capture.kernels=fused) calls `unreduced`: on CUDA with Triton (S <= max_assignments) the capacity
-kernels of `moecg.kernels.capacity_ops`, which choose the same slots on the device, count inside the kernels and run
+kernels of `moecg.kernels.capacity`, which choose the same slots on the device, count inside the kernels and run
 the GEMMs on the kept assignments only, still reading every expert's weights once (what a padded GEMM costs); else
 the same PyTorch path. Both keep the same assignments and count the same (tests/test_capacity_kernel.py).
 """
@@ -59,11 +59,11 @@ class Capacity(Dispatcher, TritonPath):
     def unreduced(self, experts, hidden, idx, w, valid, counters):
         """[T, K, D] fp32 weighted expert outputs (dropped assignments and pad rows zero); the fused step sums them."""
         if self.use_triton(experts, hidden, idx):
-            from moecg.kernels import capacity_ops  # Triton: optional, imported only where it runs
+            from moecg.kernels import capacity as capacity_kernels  # Triton: optional, imported only where it runs
 
             spec = kernel_spec(experts)
             bias = spec.has_bias
-            return capacity_ops.capacity_experts(
+            return capacity_kernels.capacity_experts(
                 hidden, idx.contiguous(), w, experts.gate_up_proj, experts.down_proj, valid, counters,
                 capacity_factor=self.capacity_factor, drop_policy=self.drop_policy, min_capacity=self.min_capacity,
                 renormalize=self.renormalize, spec=spec, gate_up_bias=experts.gate_up_proj_bias if bias else None,

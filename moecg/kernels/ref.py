@@ -267,7 +267,7 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
     The slots are the capacity dispatcher's (moecg.moe_math.assign_slots: C = Megatron's capacity of the
     real tokens; `probs` keeps each expert's highest combine weights, equal weights to the earlier token;
     `position` the earliest tokens), the weights its kept_weights (renormalize), the counters its add_counters.
-    The Triton kernels (moecg.kernels.capacity_ops) compute this while reading every expert's weights once; tiles
+    The Triton kernels (moecg.kernels.capacity) compute this while reading every expert's weights once; tiles
     is their tile choice (no meaning here).
     """
     sl = assign_slots(idx, w, valid, gate_up.shape[0], capacity_factor, min_capacity, drop_policy)

@@ -58,7 +58,7 @@ class EPCapacity(ExpertParallel, Capacity):
     name: ClassVar[str] = "capacity"
 
     def use_triton(self, *args, **kwargs) -> bool:
-        """Never: the Triton capacity kernels (moecg.kernels.capacity_ops) compute every expert in place, with no
+        """Never: the Triton capacity kernels (moecg.kernels.capacity) compute every expert in place, with no
         exchange; expert parallelism runs the padded path, whose experts_padded is the all-to-all below."""
         return False
 
