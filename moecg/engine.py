@@ -73,7 +73,7 @@ def chunk_bounds(S: int, chunk: int | None) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [S]))
 
 
-def _kv_shape(config):
+def kv_shape(config):
     """((heads, dim) of a cached key, (heads, dim) of a cached value): they differ for MLA, which caches its latent."""
     return adapter_for(config).kv_shapes(config)
 
@@ -108,7 +108,7 @@ class RowCache:
         self.config, self.max_rows, self.max_cache_len = config, max_rows, max_cache_len
         self._cache_config = linear_cache_config(config)
         self.full = _linear_static_cache(self._cache_config, max_cache_len)
-        (hk, dk), (hv, dv) = _kv_shape(config)
+        (hk, dk), (hv, dv) = kv_shape(config)
         # StaticCache.early_initialization gives keys and values one shape; MLA's differ, so each layer is
         # initialised from empty [B, H, 0, D] stand-ins of its own key and value (no data allocated for them)
         for layer in self.full.layers:
@@ -184,7 +184,7 @@ class DecodeEngine:
     def forward(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
         """ids [B, S] -> last-position logits [B, V], eager, on the cache view of B rows."""
         state = state_of(self.model)
-        ctx = state.rows(rows) if state is not None else _null()
+        ctx = state.rows(rows) if state is not None else null_context()
         call = self.decode_forward if self.decode_forward is not None and ids.shape[1] == 1 else self.model
         with ctx:
             # output_router_logits=False: a config asking for router logits would add the aux loss to every step
@@ -240,7 +240,7 @@ class DecodeEngine:
         padded = torch.zeros(rows, S, dtype=torch.long, device=self.device)  # [B, S]
         padded[:n] = prompts.to(self.device)
         self._set_rows(n, rows)
-        with state.prefill() if state is not None else _null():
+        with state.prefill() if state is not None else null_context():
             for a, b in chunk_bounds(S, self.prefill_chunk):
                 logits = self.forward(padded[:, a:b], rows)  # [B, V] of the chunk's last token
         return logits[:n].argmax(-1), logits[:n], rows
@@ -339,5 +339,5 @@ def _prefiller(state):
 
 
 @contextmanager
-def _null():
+def null_context():
     yield

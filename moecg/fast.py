@@ -37,14 +37,11 @@ import torch.nn.functional as F
 
 from moecg.dispatch import state_of
 from moecg.kernels import get_ops, ref
-from moecg.models.adapter import UnsupportedConfigError, adapter_for
+# what the fused step runs is declared beside the family facts (models/adapter.py), which never import this module
+from moecg.models.adapter import FUSED_FEATURES, FUSED_ROUTER_KINDS, UnsupportedConfigError, adapter_for
 from moecg.models.skew import router_logit_bias
 
-
-# router kinds (moecg.models.adapter.ROUTER_KINDS) the fused step routes with its own ops
-FUSED_ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_softmax")
-# decode-math features (moecg.models.adapter.FEATURES) the fused step computes
-FUSED_FEATURES = ("qk_norm_full", "partial_rotary", "attention_sinks", "clamped_swiglu_experts", "rmsnorm_cast_last")
+__all__ = ["FUSED_FEATURES", "FUSED_ROUTER_KINDS", "FastDecode", "FastPathError", "check_supported"]
 
 
 class FastPathError(UnsupportedConfigError):

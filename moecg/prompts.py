@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from moecg.quality import heldout_prompts
+
 
 class PromptError(ValueError):
     pass
@@ -55,8 +57,6 @@ def make_prompts(kind: str, batch_size: int, prompt_len: int, seed: int, vocab: 
         if vocab != 256:
             raise PromptError(f"prompts=heldout gives byte ids, and this model's vocab is {vocab}: use a byte-level "
                               "model (*_stdlib) or prompts=random")
-        from moecg.quality import heldout_prompts
-
         try:
             return heldout_prompts(B, S, int(seed))
         except ValueError as e:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from moecg.data import heldout_bytes
+from moecg.dispatch import attach, detach, make_dispatcher, state_of
 
 __all__ = ["heldout_bpb", "heldout_expert_load", "heldout_prompts", "as_byte_tensor"]
 
@@ -75,8 +76,6 @@ def heldout_expert_load(model, data: bytes | torch.Tensor | None = None, seq_len
     Counts through the attached dispatcher (its counters are saved and restored around the run), or through
     `dynamic`, HF's own experts loop, attached for the run when none is.
     """
-    from moecg.dispatch import attach, detach, make_dispatcher, state_of
-
     state = state_of(model)
     attached_here = state is None
     if attached_here:

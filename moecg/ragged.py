@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from moecg.dispatch import state_of
-from moecg.engine import CacheOverflowError, DecodeEngine, _kv_shape, _null
+from moecg.engine import CacheOverflowError, DecodeEngine, kv_shape, null_context
 from moecg.models.adapter import adapter_for
 
 
@@ -73,7 +73,7 @@ class RaggedCache:
     def __init__(self, config, max_rows: int, max_cache_len: int, device, dtype):
         self.config, self.max_rows, self.max_cache_len = config, max_rows, max_cache_len
         self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)  # [B_max]
-        (hk, dk), (hv, dv) = _kv_shape(config)
+        (hk, dk), (hv, dv) = kv_shape(config)
         n = config.num_hidden_layers
         self.keys = [torch.zeros(max_rows, hk, max_cache_len, dk, dtype=dtype, device=device) for _ in range(n)]
         self.values = [torch.zeros(max_rows, hv, max_cache_len, dv, dtype=dtype, device=device) for _ in range(n)]
@@ -232,7 +232,7 @@ class RaggedEngine(DecodeEngine):
 
     def forward(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
         state = state_of(self.model)
-        with state.rows(rows) if state is not None else _null():
+        with state.rows(rows) if state is not None else null_context():
             return self._run(ids, self.cache.view(rows), self.cache.lengths[:rows], ids.shape[1] == 1)
 
     def eager_step(self, ids: torch.Tensor, rows: int):
@@ -260,7 +260,8 @@ class RaggedEngine(DecodeEngine):
         if state is not None:
             state.set_rows(1, 1)
         self.cache.lengths[r] = 0
-        with (state.prefill() if state is not None else _null()), (state.rows(1) if state is not None else _null()):
+        with (state.prefill() if state is not None else null_context()), \
+                (state.rows(1) if state is not None else null_context()):
             logits = self._run(prompt.to(self.device)[None], self.cache.slot(r), self.cache.lengths[r:r + 1], False)
         self.cache.lengths[r] = S
         self._admitted(r, [request_id], [S], logits, sync)
@@ -300,7 +301,8 @@ class RaggedEngine(DecodeEngine):
         if state is not None:
             state.set_rows(k, k)
         self.cache.lengths[r:r + k] = 0
-        with (state.prefill() if state is not None else _null()), (state.rows(k) if state is not None else _null()):
+        with (state.prefill() if state is not None else null_context()), \
+                (state.rows(k) if state is not None else null_context()):
             logits = self._run(padded, self.cache.slot(r, k), self.cache.lengths[r:r + k], False, keep)  # [k, V]
         self.cache.lengths[r:r + k] = self._plen[r:r + k]
         self._admitted(r, ids, lens, logits, sync)

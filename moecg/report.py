@@ -9,6 +9,9 @@ import subprocess
 from pathlib import Path
 
 import torch
+import transformers
+
+import moecg
 
 
 def percentile(xs, q):
@@ -21,10 +24,6 @@ def percentile(xs, q):
 
 
 def env_fields() -> dict:
-    import transformers
-
-    import moecg
-
     # MOECG_GIT_SHA names the commit where the tree has no .git (e.g. a copy shipped to a GPU machine)
     sha = os.environ.get("MOECG_GIT_SHA")
     if not sha:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moecg.dispatch import state_of
+from moecg.ragged import RaggedEngine
 from moecg.report import percentile
 
 
@@ -240,8 +241,6 @@ def warm(engine, prompt, steps: int = 2) -> None:
 def decode_alone(model, requests, prompts, max_cache_len: int) -> dict:
     """Every request decoded by itself (a one-slot RaggedEngine, greedy, eager, whatever dispatcher is attached)
     -> {id: tokens}: what each request's served tokens should equal."""
-    from moecg.ragged import RaggedEngine
-
     eng = RaggedEngine(model, max_cache_len, 1)
     out = {}
     for r, p in zip(requests, prompts):

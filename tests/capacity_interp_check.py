@@ -3,7 +3,7 @@
   TRITON_INTERPRET=1 python tests/capacity_interp_check.py ops|dispatch|families
 
 Dims: T tokens, K top-k, E experts, C capacity, D hidden, I expert intermediate, B rows.
-ops:      capacity_ops.capacity_experts against ref.capacity_experts: the same kept assignments, the same counters,
+ops:      capacity.capacity_experts against ref.capacity_experts: the same kept assignments, the same counters,
           outputs to fp32 rounding; ties, pad rows, several token chunks and slot blocks, both layouts, the capacity
           formula for every real-token count.
 dispatch: `capacity` with kernels=triton against kernels=torch (the padded PyTorch path) on each family's experts;
@@ -23,7 +23,7 @@ import triton.language as tl  # noqa: E402
 
 from moecg.dispatch.capacity import capacity  # noqa: E402
 from moecg.dispatch.state import LayerCounters  # noqa: E402
-from moecg.kernels import capacity_ops as cap  # noqa: E402
+from moecg.kernels import capacity as cap  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels.tiles import MoeTiles  # noqa: E402
 from moecg.models.adapter import ExpertSpec  # noqa: E402

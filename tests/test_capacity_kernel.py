@@ -1,4 +1,4 @@
-"""`capacity` on the fused decode step: the Triton capacity kernels (moecg.kernels.capacity_ops), their PyTorch
+"""`capacity` on the fused decode step: the Triton capacity kernels (moecg.kernels.capacity), their PyTorch
 reference (ref.capacity_experts) and the dispatcher's padded PyTorch path agree, on CPU.
 
 Dims: T tokens, K top-k, E experts, C capacity, D hidden, I expert intermediate.
@@ -120,10 +120,10 @@ def test_capabilities_and_options():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_fused_step_calls_the_capacity_kernels(monkeypatch):
-    """dispatch=capacity under capture.kernels=fused reaches capacity_ops.capacity_experts with the dispatcher's
+    """dispatch=capacity under capture.kernels=fused reaches capacity.capacity_experts with the dispatcher's
     options, the row mask (3 rows in bucket 4) and the counters. The kernels are replaced by their reference here
     (no Triton on CPU); the tokens and counters then equal the padded path's."""
-    from moecg.kernels import capacity_ops
+    from moecg.kernels import capacity as capacity_ops
 
     calls = []
 
@@ -208,7 +208,7 @@ def test_kernels_compile_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from moecg.kernels import capacity_ops as cap, triton_ops as tri
+    from moecg.kernels import attention, capacity as cap, gemv, moe, norm_rope, routers
 
     types = dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", keep_ptr="*i8", slot_ptr="*i32", nk_ptr="*i32",
                  cnt_ptr="*i64", drop_ptr="*i64", mass_ptr="*fp32", dmass_ptr="*fp32", cap_ptr="*i64",
@@ -237,27 +237,27 @@ def test_kernels_compile_for_hopper():
                                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64))
     build(cap._cap_down_kernel, dict(K=4, KP=4, RENORM=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))
     for pdl in (0, 1, 2):  # programmatic dependent launch: the griddepcontrol instructions lower for sm_90
-        build(tri._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=1, JU=1408, HAS_BIAS=False, ACT=0,
+        build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=1, JU=1408, HAS_BIAS=False, ACT=0,
                                        BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=pdl))
         for split in (1, 4):  # split-K: the partial stores, the tile counter's atomic and the in-order fix-up
-            build(tri._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=split == 1, SPLIT=split, BLOCK_M=16,
+            build(moe._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=split == 1, SPLIT=split, BLOCK_M=16,
                                              BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=pdl))
-    build(tri._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=True, CAST_LAST=False, BLOCK_D=2048, BLOCK_E=8,
-                                       BLOCK_EP=128, USE_PDL=2))
+    build(routers._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=True, CAST_LAST=False, BLOCK_D=2048, BLOCK_E=8,
+                                           BLOCK_EP=128, USE_PDL=2))
     # the routers' shared packed-key top-k (int64 keys from fp32 bits)
-    build(tri._route_kernel, dict(K=4, NORM=True, BLOCK_E=64, USE_PDL=2))
-    build(tri._route_sigmoid_group_kernel, dict(K=8, KP=8, NG=8, NGP=8, TOPKG=4, NORM=True, HAS_BIAS=True,
-                                                 BLOCK_E=256, USE_PDL=2))
-    build(tri._route_topk_softmax_kernel, dict(K=4, KP=4, BLOCK_E=32, USE_PDL=2))
-    build(tri._add_rmsnorm_kernel, dict(KK=4, HAS_RES=True, HAS_SHARED=True, HAS_SGATE=True, HAS_VALID=False,
-                                        CAST_LAST=False, BLOCK_D=2048, USE_PDL=2))
+    build(routers._route_kernel, dict(K=4, NORM=True, BLOCK_E=64, USE_PDL=2))
+    build(routers._route_sigmoid_group_kernel, dict(K=8, KP=8, NG=8, NGP=8, TOPKG=4, NORM=True, HAS_BIAS=True,
+                                                    BLOCK_E=256, USE_PDL=2))
+    build(routers._route_topk_softmax_kernel, dict(K=4, KP=4, BLOCK_E=32, USE_PDL=2))
+    build(norm_rope._add_rmsnorm_kernel, dict(KK=4, HAS_RES=True, HAS_SHARED=True, HAS_SGATE=True, HAS_VALID=False,
+                                              CAST_LAST=False, BLOCK_D=2048, USE_PDL=2))
     for G, Dh, split, sb in ((8, 128, True, 1), (1, 128, True, 4), (16, 64, True, 2), (16, 64, False, 1)):
         # decode attention (Qwen3, Qwen1.5, GPT-OSS heads): active splits only, the merge unrolled SB splits at a time
         GP = max(16, triton.next_power_of_2(G))
-        build(tri._attn_decode_kernel, dict(G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=split, HAS_SINK=Dh == 64,
-                                            EAGER=False, TWO_PASS=False, SUB_ROUND=False, SB=sb, USE_PDL=2))
+        build(attention._attn_decode_kernel, dict(G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=split, HAS_SINK=Dh == 64,
+                                                  EAGER=False, TWO_PASS=False, SUB_ROUND=False, SB=sb, USE_PDL=2))
     from moecg.kernels.tiles import GEMV_RULES
     for i, rule in enumerate(GEMV_RULES):  # the small-batch GEMV at the table's tiles
         t = rule.tiles
-        build(tri._gemv_kernel, dict(HAS_BIAS=i == 0, BLOCK_T=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, USE_PDL=2),
+        build(gemv._gemv_kernel, dict(HAS_BIAS=i == 0, BLOCK_T=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, USE_PDL=2),
               stages=t.stages)

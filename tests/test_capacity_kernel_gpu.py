@@ -16,7 +16,7 @@ from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E4
 from moecg.dispatch.capacity import capacity  # noqa: E402
 from moecg.dispatch.state import LayerCounters  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
-from moecg.kernels import capacity_ops as cap, ref, triton_ops as tri  # noqa: E402
+from moecg.kernels import capacity as cap, ref, triton_ops as tri  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 
 BF = torch.bfloat16

@@ -261,7 +261,7 @@ def test_capacity_threshold_is_the_real_batch_not_the_bucket(name, kw):
 
 
 def test_device_capacity_equals_host_formula():
-    from moecg.dispatch.capacity import capacity, capacity_on_device
+    from moecg.moe_math import capacity, capacity_on_device
 
     for T in range(1, 300):
         for K, E in [(1, 4), (2, 8), (4, 60), (8, 128), (4, 16)]:

@@ -17,7 +17,7 @@ from moecg.capture import Capture  # noqa: E402
 from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.dispatch.state import LayerCounters  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
-from moecg.kernels import ref, triton_ops as tri  # noqa: E402
+from moecg.kernels import launch, ref, triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 
@@ -87,7 +87,7 @@ def test_moe_kernel_matches_reference_and_counts(shape, T):
             _close(c1.routed_mass, c2.routed_mass, 1e-5, 1e-5)
             if split and split > 1:  # deterministic: the same bits again, and the tile counters back at zero
                 assert torch.equal(got, tri.moe_experts(x, idx, w, gate_up, down, v, None, grid=grid, tiles=tiles))
-                assert all(int(s.abs().sum()) == 0 for s in tri._SEMS.values())
+                assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())
 
 
 @pytest.mark.parametrize("shape", [(128, 8, 2048), (8, 2, 4096), (64, 8, 2048)], ids=["qwen3", "mixtral", "olmoe"])
@@ -115,7 +115,7 @@ def test_norm_route_matches_reference(shape, T):
         _close(got[3][same], want[3][same], 1e-2, 1e-2)
         again = tri.norm_route(a, res, nw, 1e-6, rw, K, True, BF, logit_bias=bias)
         assert all(torch.equal(x, y) for x, y in zip(got, again))
-    assert all(int(s.abs().sum()) == 0 for s in tri._SEMS.values())
+    assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())
 
 
 @pytest.mark.parametrize("T", [1, 8])
@@ -140,7 +140,7 @@ def test_attention_split_merge_in_kernel_long_context(T):
             got = tri.attn_decode(q, keys, vals, p_t, Dh ** -0.5, window, sinks=sk, splits=splits)
             _close(got, want)
             assert torch.equal(got, tri.attn_decode(q, keys, vals, p_t, Dh ** -0.5, window, sinks=sk, splits=splits))
-    assert all(int(s.abs().sum()) == 0 for s in tri._SEMS.values())
+    assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())
 
 
 @pytest.mark.parametrize("preset", ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny"])
@@ -312,10 +312,8 @@ def test_family_fused_full_capture_matches_hf_eager(preset):
 def _n_compiled() -> int | None:
     """Compiled specialisations held in memory by the Triton kernels of the fused step (None: Triton's layout
     unknown)."""
-    from moecg.kernels import capacity_ops
-
     n = 0
-    for mod in (tri, capacity_ops):
+    for mod in tri.MODULES:
         for fn in vars(mod).values():
             caches = getattr(fn, "device_caches", None)
             if caches is None:

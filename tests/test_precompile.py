@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 from moecg.capture import Capture  # noqa: E402
 from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
-from moecg.kernels import triton_ops  # noqa: E402
+from moecg.kernels import launch, triton_ops  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 
 
@@ -44,15 +44,15 @@ class _Kernel:
 def test_launch_runs_outside_dry_run_and_records_inside():
     k = _Kernel(["x", "T"])
     x = torch.zeros(4)
-    triton_ops._launch(k, (2,), x, 3, BLOCK=8)
+    launch.launch(k, (2,), x, 3, BLOCK=8)
     assert len(k.launched) == 1 and k.launched[0][0] == (2,)
     with triton_ops.dry_run() as rec:
-        triton_ops._launch(k, (5,), x, 3, BLOCK=8)
+        launch.launch(k, (5,), x, 3, BLOCK=8)
         with pytest.raises(RuntimeError, match="already active"):
             with triton_ops.dry_run():
                 pass
     assert len(k.launched) == 1 and len(rec) == 1 and rec[0][1] == (5,)
-    assert triton_ops._DRY is None
+    assert launch._DRY is None
 
 
 def test_dry_ops_record_and_return_zeros():
@@ -73,7 +73,7 @@ def test_dry_ops_record_and_return_zeros():
         assert idx.dtype == torch.int64 or idx.dtype == torch.int32
         assert torch.count_nonzero(idx) == 0 and torch.count_nonzero(wt) == 0
     assert len(rec) == 5
-    keys = [triton_ops._spec_key(k, a, kw) for k, _, a, kw in rec]
+    keys = [launch._spec_key(k, a, kw) for k, _, a, kw in rec]
     assert keys[0] == keys[2] and keys[1] == keys[3]  # T=1 and T=64: one specialisation each
     assert keys[0] != keys[1]  # with and without a residual: two
     assert len(set(keys)) == 3
@@ -124,11 +124,12 @@ def test_capture_precompile_pass_runs_every_bucket_dry(preset, ragged, monkeypat
         cap = Capture(eng, "full", buckets=(1, 2, 4), backend="emulate", kernels="fused")
         cap.fast.ops, cap.fast.backend = triton_ops, "triton"
         built = []  # what the pool would compile (no CUDA here): one call per distinct specialisation
-        monkeypatch.setattr(triton_ops, "_build", lambda kernel, grid, args, kwargs: built.append(kernel.__name__))
+        monkeypatch.setattr(launch, "_build", lambda kernel, grid, args, kwargs: built.append(kernel.__name__))
         seen = []
-        real_launch = triton_ops._launch
-        monkeypatch.setattr(triton_ops, "_launch", lambda k, g, *a, **kw: (seen.append(k.__name__),
-                                                                            real_launch(k, g, *a, **kw)))
+        real_launch = launch.launch
+        for mod in triton_ops.MODULES:  # every kernel module's launches
+            monkeypatch.setattr(mod, "launch", lambda k, g, *a, **kw: (seen.append(k.__name__),
+                                                                       real_launch(k, g, *a, **kw)))
         eng.decode_forward = cap.fast
         lengths = eng.cache.save_lengths()
         before = state_of(model).snapshot()
@@ -160,20 +161,31 @@ def test_capture_precompile_pass_runs_every_bucket_dry(preset, ragged, monkeypat
 
 def test_every_launch_goes_through_launch_and_every_op_returns_dry_zeros():
     """The dry pass is only safe and complete if no kernel is launched directly (`kernel[grid](...)`) and every public
-    op that launches returns zeros while dry (@_dry_zeros); a new kernel that skips either fails here."""
+    op that launches returns zeros while dry (@dry_zeros); a new kernel that skips either fails here."""
     import ast
     import inspect
 
-    from moecg.kernels import capacity_ops
-
-    for mod in (triton_ops, capacity_ops):
+    for mod in triton_ops.MODULES:
         tree = ast.parse(inspect.getsource(mod))
         direct = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)
                   and n.value.id.endswith("_kernel")]
-        assert not direct, f"{mod.__name__}: kernel[grid] launches at lines {direct}; use _launch(kernel, grid, ...)"
+        assert not direct, f"{mod.__name__}: kernel[grid] launches at lines {direct}; use launch(kernel, grid, ...)"
         for fn in tree.body:
             if not isinstance(fn, ast.FunctionDef) or fn.name.startswith("_"):
                 continue
-            launches = any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "_launch" for n in ast.walk(fn))
-            decorated = any(getattr(d, "id", None) == "_dry_zeros" for d in fn.decorator_list)
-            assert decorated or not launches, f"{mod.__name__}.{fn.name} launches kernels but is not @_dry_zeros"
+            launches = any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "launch" for n in ast.walk(fn))
+            decorated = any(getattr(d, "id", None) == "dry_zeros" for d in fn.decorator_list)
+            assert decorated or not launches, f"{mod.__name__}.{fn.name} launches kernels but is not @dry_zeros"
+
+
+def test_triton_ops_expose_the_reference_ops():
+    """get_ops' two backends are interchangeable: triton_ops has every op of moecg.kernels.OPS, each taking the
+    reference's parameters in the same order (a Triton op may add tuning keywords after them)."""
+    import inspect
+
+    from moecg.kernels import OPS, ref
+
+    for name in OPS:
+        want = list(inspect.signature(getattr(ref, name)).parameters)
+        got = list(inspect.signature(getattr(triton_ops, name)).parameters)
+        assert got[:len(want)] == want, (name, want, got)

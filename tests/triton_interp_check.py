@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 from moecg.dispatch.state import LayerCounters  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
-from moecg.kernels import triton_ops as tri  # noqa: E402
+from moecg.kernels import launch, triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import MoeTiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 
@@ -53,7 +53,7 @@ for p, window, sk in ((150, 0, None), (199, 0, sinks), (180, 100, None), (60, 0,
     for mb in (1, 2, 4):
         close(ref.attn_decode(q, keys2, vals2, torch.tensor(p), 0.25, window, sinks=sk),
               tri.attn_decode(q, keys2, vals2, torch.tensor(p), 0.25, window, sinks=sk, splits=3, merge_block=mb))
-assert all(int(s.abs().sum()) == 0 for s in tri._SEMS.values())
+assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())
 logits = torch.randn(T, E + 3)[:, :E]
 for norm in (True, False):
     i1, w1 = ref.route(logits, K, norm, torch.float32)
@@ -94,7 +94,7 @@ for Tm in (1, 3, 20):  # 20 tokens: two row blocks per expert
                   tri.moe_experts(x, idx, wts, gate_up, down, v, c3, grid=grid, tiles=tiles))
             assert torch.equal(c1.routed, c3.routed) and torch.equal(c1.tokens, c3.tokens), (grid, split)
             close(c1.routed_mass, c3.routed_mass)
-assert all(int(s.abs().sum()) == 0 for s in tri._SEMS.values())  # every split tile's counter zeroed again
+assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())  # every split tile's counter zeroed again
 
 # a whole model: fused decode with the Triton ops == with the torch ops (fp32), incl. the fused dispatcher
 # (qwen2_moe_tiny: a shared expert beside the router; qwen3_moe_tiny: the router alone, so norm_route runs)

@@ -18,6 +18,9 @@ from moecg.capture.layer import LayerGraphs
 from moecg.capture.plan import (STRATEGIES, StrategyError, StrategySpec, parse_layers, resolve, validate,
                                 validate_capture)
 from moecg.dispatch import state_of
+from moecg.fast import FastDecode
+from moecg.kernels import tiles
+from moecg.models.adapter import adapter_for
 
 __all__ = ["Capture", "CaptureError", "STRATEGIES", "StrategyError", "StrategySpec", "DEFAULT_BUCKETS",
            "bucket_for", "validate_buckets", "parse_layers", "resolve", "validate"]
@@ -76,8 +79,6 @@ class Capture:
         self.kernels = kernels
         self.fast = None
         if kernels == "fused":
-            from moecg.fast import FastDecode
-
             self.fast = FastDecode(model, kernel_backend)  # checks the model first, before any CUDA work
         self.layer_graphs: LayerGraphs | None = None
         self.precompiled: dict | None = None  # triton_ops.Precompiler.wait()'s record, when it ran
@@ -172,7 +173,7 @@ class Capture:
         recorded, not run; the torch ops between them run on zeros), each distinct kernel specialisation compiling
         on a thread pool as soon as it is recorded; all done before the warmups, instead of one after another inside
         the first warmups."""
-        from moecg.kernels import tiles, triton_ops
+        from moecg.kernels import triton_ops  # Triton: optional, imported only where the fused step runs on it
 
         eng, state = self.engine, state_of(self.engine.model)
         key = (tuple(order), eng.max_cache_len, triton_ops.pdl_mode(eng.device), tiles.MOE_TILE_RULES,
@@ -261,6 +262,4 @@ class Capture:
 
 
 def _adapter(model):
-    from moecg.models.adapter import adapter_for
-
     return adapter_for(model)

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moecg.dispatch import REGISTRY
+from moecg.models.adapter import KERNELS  # hf | fused: one definition, beside the audit per path
+
 LAYER_SCOPES = ("layer", "attn", "eager")
 
 
@@ -78,8 +81,6 @@ def validate(name: str, dispatcher, num_layers: int, layers: str | None = None):
     """Check a strategy x dispatch combination before any CUDA work; returns (spec, per-layer scopes)."""
     spec, scopes = resolve(name, num_layers, layers)
     if spec.requires is not None and not getattr(dispatcher, spec.requires):
-        from moecg.dispatch import REGISTRY
-
         takers = " or dispatch=".join(sorted(n for n, c in REGISTRY.items() if getattr(c, spec.requires)))
         raise StrategyError(f"strategy={name} needs dispatch={takers} (a dispatcher with `{spec.requires}`; got "
                             f"dispatch={dispatcher.name}); use strategy=full for a whole-step graph with "
@@ -91,8 +92,6 @@ def validate(name: str, dispatcher, num_layers: int, layers: str | None = None):
         raise StrategyError(NOT_GRAPH_SAFE.format(d=dispatcher.name) + where)
     return spec, scopes
 
-
-from moecg.models.adapter import KERNELS  # noqa: E402  (hf | fused: one definition, beside the audit per path)
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 

@@ -5,12 +5,21 @@ binds each experts module to a model-wide `DispatchState` (row mask + counters).
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from transformers.integrations.moe import ExpertsInterface
 
-from moecg.dispatch import capacity, dropless, dynamic, fused  # noqa: F401  (register the dispatchers)
 from moecg.dispatch.base import REGISTRY, Dispatcher, check_experts, make_dispatcher
-from moecg.dispatch.capacity import Capacity, capacity_slots
+from moecg.dispatch.capacity import Capacity
 from moecg.dispatch.state import DispatchState, LayerCounters
+from moecg.models.adapter import adapter_for
+from moecg.moe_math import capacity_slots
+
+# Every module of this package is imported (in file-name order), so a dispatcher is one file whose class carries
+# @register: its name is then a REGISTRY key, a `dispatch=` choice and an ExpertsInterface implementation.
+for _mod in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_mod.name}")
 
 __all__ = ["REGISTRY", "Dispatcher", "DispatchState", "LayerCounters", "Capacity", "attach", "detach",
            "make_dispatcher", "capacity_slots", "state_of", "impl_name", "register_experts_impl"]
@@ -39,8 +48,6 @@ for _name in REGISTRY:
 
 def attach(model, dispatcher: Dispatcher, max_rows: int = 64) -> DispatchState:
     """Route every MoE layer of `model` through `dispatcher`; returns the (device-side) dispatch state."""
-    from moecg.models.adapter import adapter_for
-
     adapter = adapter_for(model)
     layers = adapter.moe_layers(model)
     if not layers:
@@ -58,8 +65,6 @@ def attach(model, dispatcher: Dispatcher, max_rows: int = 64) -> DispatchState:
 
 
 def detach(model) -> None:
-    from moecg.models.adapter import adapter_for
-
     for _, experts in adapter_for(model).moe_layers(model):
         for attr in ("_moecg_state", "_moecg_slot"):
             experts.__dict__.pop(attr, None)

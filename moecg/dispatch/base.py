@@ -169,26 +169,3 @@ def _grouped_ok(x, w) -> bool:
         return torch.cuda.get_device_capability(x.device)[0] in (9, 10) and x.dtype == torch.bfloat16 \
             and w.dtype == torch.bfloat16 and aligned
     return aligned
-
-
-def route_counts(idx, valid, num_experts: int):
-    """idx [T, K] -> (masked idx [T, K] with pad rows sent to sentinel E, per-expert counts [E] int64)."""
-    if valid is not None:
-        idx = torch.where(valid[:, None], idx, torch.full_like(idx, num_experts))  # [T, K]
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
-    # scatter_add instead of bincount/one_hot: both of those sync with the host on CUDA.
-    counts.scatter_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))
-    return idx, counts[:num_experts]  # [T, K], [E]
-
-
-def routed_mass(idx_masked, w, num_experts: int):
-    mass = torch.zeros(num_experts + 1, dtype=torch.float32, device=w.device)
-    mass.scatter_add_(0, idx_masked.reshape(-1), w.reshape(-1).float())
-    return mass[:num_experts]  # [E]
-
-
-def count_valid(valid, num_tokens: int, device):
-    if valid is None:
-        # a fill kernel, not torch.tensor(): a host-to-device copy cannot be captured
-        return torch.full((), num_tokens, dtype=torch.int64, device=device)
-    return valid.sum()

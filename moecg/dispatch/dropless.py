@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moecg.dispatch.base import Dispatcher, count_valid, expert_mlp_grouped, register, route_counts, routed_mass
+from moecg.dispatch.base import Dispatcher, expert_mlp_grouped, register
+from moecg.moe_math import count_valid, route_counts, routed_mass
 
 
 @register

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moecg.dispatch.base import Dispatcher, count_valid, register, route_counts, routed_mass
+from moecg.dispatch.base import Dispatcher, register
+from moecg.moe_math import count_valid, route_counts, routed_mass
 
 
 @register

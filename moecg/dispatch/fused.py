@@ -24,7 +24,7 @@ class Fused(Dropless, TritonPath):
 
     def unreduced(self, experts, hidden, idx, w, valid, counters):
         if self.use_triton(experts, hidden, idx):
-            from moecg.kernels import triton_ops
+            from moecg.kernels import triton_ops  # Triton: optional, imported only where it runs
 
             spec = kernel_spec(experts)
             bias = spec.has_bias

@@ -7,31 +7,42 @@ updating the same memory on every replay; the host reads it only in `snapshot()`
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
 
+def _counter(per_expert: bool, dtype: torch.dtype = torch.int64, optional: bool = False):
+    """A LayerCounters field: [E] (per_expert) or [] per layer, so [L, E] or [L] in DispatchState, of `dtype`.
+    optional: only a capacity dispatcher adds to it (None in LayerCounters.zeros without capacity)."""
+    meta = {"per_expert": per_expert, "dtype": dtype}
+    return field(default=None, metadata=meta) if optional else field(metadata=meta)
+
+
 @dataclass
 class LayerCounters:
-    """Views into the model-wide counters for one MoE layer (fixed addresses, updated in place)."""
+    """Views into the model-wide counters for one MoE layer (fixed addresses, updated in place).
 
-    routed: torch.Tensor  # [E] int64  token-expert assignments routed (valid rows only)
-    dropped: torch.Tensor  # [E] int64  assignments dropped by capacity
-    routed_mass: torch.Tensor  # [E] fp32  routing weight routed
-    dropped_mass: torch.Tensor  # [E] fp32  routing weight dropped
-    tokens: torch.Tensor  # [] int64  valid tokens seen
-    lost_all: torch.Tensor  # [] int64  valid tokens that lost all K experts
-    capacity: torch.Tensor | None = None  # [] int64  sum over calls of the capacity C applied (capacity only)
-    calls: torch.Tensor | None = None  # [] int64  calls that applied a capacity
+    Its fields are the counters, named once: DispatchState's tensors, reset/save/restore and snapshot's reads all
+    follow them (COUNTERS, in this order)."""
+
+    routed: torch.Tensor = _counter(True)  # [E] int64  token-expert assignments routed (valid rows only)
+    dropped: torch.Tensor = _counter(True)  # [E] int64  assignments dropped by capacity
+    routed_mass: torch.Tensor = _counter(True, torch.float32)  # [E] fp32  routing weight routed
+    dropped_mass: torch.Tensor = _counter(True, torch.float32)  # [E] fp32  routing weight dropped
+    tokens: torch.Tensor = _counter(False)  # [] int64  valid tokens seen
+    lost_all: torch.Tensor = _counter(False)  # [] int64  valid tokens that lost all K experts
+    # [] int64  sum over calls of the capacity C applied (capacity only); calls: those that applied a capacity
+    capacity: torch.Tensor | None = _counter(False, optional=True)
+    calls: torch.Tensor | None = _counter(False, optional=True)  # [] int64
 
     @classmethod
     def zeros(cls, n_experts: int, device=None, capacity: bool = False) -> "LayerCounters":
         """Fresh zero counters of one layer, not views of a DispatchState's: for calling a kernel or a dispatcher on
         its own (tests, benchmarks). capacity: with the capacity and calls scalars a capacity dispatcher adds to."""
-        z = lambda dt=torch.int64: torch.zeros(n_experts, dtype=dt, device=device)  # noqa: E731
-        s = lambda: torch.zeros((), dtype=torch.int64, device=device)  # noqa: E731
-        return cls(z(), z(), z(torch.float32), z(torch.float32), s(), s(), *((s(), s()) if capacity else ()))
+        return cls(**{f.name: torch.zeros((n_experts,) if f.metadata["per_expert"] else (), dtype=f.metadata["dtype"],
+                                          device=device)
+                      for f in fields(cls) if capacity or f.default is MISSING})
 
     def add_routed(self, routed, routed_mass, tokens):
         """A dispatcher that never drops: three in-place adds instead of six."""
@@ -54,6 +65,9 @@ class LayerCounters:
             self.calls.add_(1)
 
 
+COUNTERS = tuple(f.name for f in fields(LayerCounters))
+
+
 class DispatchState:
     """Model-wide dispatch state: which dispatcher runs, the row mask for padded batches, and the counters."""
 
@@ -63,11 +77,9 @@ class DispatchState:
         self.layer_ids = list(layer_ids)  # decoder-layer index of each MoE slot
         self.num_experts = num_experts
         L, E = len(layer_ids), num_experts
-        z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
-        self.routed, self.dropped = z(L, E), z(L, E)  # [L, E]
-        self.routed_mass, self.dropped_mass = z(L, E, dt=torch.float32), z(L, E, dt=torch.float32)  # [L, E]
-        self.tokens, self.lost_all = z(L), z(L)  # [L]
-        self.capacity, self.calls = z(L), z(L)  # [L]
+        for f in fields(LayerCounters):  # self.routed [L, E], ..., self.tokens [L], ...: every layer's counters
+            shape = (L, E) if f.metadata["per_expert"] else (L,)
+            setattr(self, f.name, torch.zeros(shape, dtype=f.metadata["dtype"], device=device))
         self.row_valid = torch.ones(max_rows, dtype=torch.bool, device=device)  # [B_max]
         self.n_rows: int | None = None  # rows of the forward being traced/run; None: no masking
         self.n_valid: int | None = None  # real rows among them (host-side, from set_rows)
@@ -80,13 +92,10 @@ class DispatchState:
     def layer(self, slot: int) -> LayerCounters | None:
         if not self.counting:
             return None
-        return LayerCounters(self.routed[slot], self.dropped[slot], self.routed_mass[slot],
-                             self.dropped_mass[slot], self.tokens[slot], self.lost_all[slot],
-                             self.capacity[slot], self.calls[slot])
+        return LayerCounters(*(t[slot] for t in self._tensors()))
 
-    def _tensors(self):
-        return (self.routed, self.dropped, self.routed_mass, self.dropped_mass, self.tokens, self.lost_all,
-                self.capacity, self.calls)
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, name) for name in COUNTERS)
 
     def reset(self) -> None:
         for t in self._tensors():
@@ -105,7 +114,9 @@ class DispatchState:
         reduce: applied to a copy of each counter tensor first, e.g. a sum over expert-parallel ranks (each rank
         counts the assignments of its own tokens, at the source, so the sum counts every assignment once)."""
         tensors = self._tensors() if reduce is None else [reduce(t.detach().clone()) for t in self._tensors()]
-        routed, dropped, rmass, dmass, tokens, lost, cap, calls = (t.detach().cpu() for t in tensors)
+        c = {name: t.detach().cpu() for name, t in zip(COUNTERS, tensors)}
+        routed, dropped, rmass, dmass = c["routed"], c["dropped"], c["routed_mass"], c["dropped_mass"]
+        tokens, lost, cap, calls = c["tokens"], c["lost_all"], c["capacity"], c["calls"]
         r_tot, d_tot = int(routed.sum()), int(dropped.sum())
         per_layer_routed = routed.sum(1).clamp(min=1)
         load = routed.sum(0).double()  # [E] assignments per expert, all layers

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from transformers.integrations.moe import _default_apply_gate
+
+from moecg.kernels import OPS_BACKENDS, triton_ok
+from moecg.models.adapter import adapter_for
+
 
 @dataclass
 class TritonPath:
@@ -17,8 +22,6 @@ class TritonPath:
     kernels: str = "auto"  # auto | triton | torch
 
     def __post_init__(self):
-        from moecg.kernels import OPS_BACKENDS
-
         if self.kernels not in OPS_BACKENDS:
             raise ValueError(f"dispatch.kernels={self.kernels!r}: choose auto, triton or torch")
         if int(self.max_assignments) < 0:
@@ -27,8 +30,6 @@ class TritonPath:
     def use_triton(self, experts, hidden, idx) -> bool:
         if self.kernels == "torch" or idx.numel() > self.max_assignments:
             return False
-        from moecg.kernels import triton_ok
-
         ok = triton_ok(hidden.device) and kernel_spec(experts) is not None
         if self.kernels == "triton" and not ok:
             raise RuntimeError("dispatch.kernels=triton: Triton cannot run here (needs CUDA + triton, and experts "
@@ -41,10 +42,6 @@ def kernel_spec(experts):
     path, which applies the module's own biases and `_apply_gate`). The kernels take either HF layout (strides),
     halves or interleaved gate/up, biases, and two activations: HF's default gate with SiLU, or GPT-OSS's clamped
     SwiGLU (the adapter's act "swiglu_clamp", which names that family's own `_apply_gate`)."""
-    from transformers.integrations.moe import _default_apply_gate
-
-    from moecg.models.adapter import adapter_for
-
     try:
         spec = adapter_for(experts.config).expert_spec(experts)
     except (AttributeError, ValueError, KeyError):  # experts of a model moecg has no adapter for

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moecg.dispatch.base import count_valid, route_counts, routed_mass
-from moecg.dispatch.capacity import add_counters, assign_slots, kept_weights
+from moecg.moe_math import add_counters, assign_slots, count_valid, kept_weights, route_counts, routed_mass
 
 
 def rmsnorm(x, weight, eps: float, cast_last: bool = False):
@@ -265,10 +264,10 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
     """`capacity`'s routed experts, unreduced: [T, K, D] fp32, moe_experts on the assignments that keep a slot,
     zeros for the dropped ones and for pad rows.
 
-    The slots are the capacity dispatcher's (moecg.dispatch.capacity.assign_slots: C = Megatron's capacity of the
+    The slots are the capacity dispatcher's (moecg.moe_math.assign_slots: C = Megatron's capacity of the
     real tokens; `probs` keeps each expert's highest combine weights, equal weights to the earlier token;
     `position` the earliest tokens), the weights its kept_weights (renormalize), the counters its add_counters.
-    The Triton kernels (moecg.kernels.capacity_ops) compute this while reading every expert's weights once; tiles
+    The Triton kernels (moecg.kernels.capacity) compute this while reading every expert's weights once; tiles
     is their tile choice (no meaning here).
     """
     sl = assign_slots(idx, w, valid, gate_up.shape[0], capacity_factor, min_capacity, drop_policy)

@@ -3,7 +3,7 @@
 Dims: T tokens (rows of the step: the captured bucket), D hidden, I expert intermediate, E experts.
 `moe_tiles(T, D, I, E)` walks MOE_TILE_RULES in order and returns the tiles of the first rule whose ranges hold the
 shape (each range half-open, [lo, hi)); DEFAULT where none does. Both kernel families read it: the dropless kernels
-(`triton_ops.moe_experts`) and the capacity kernels (`capacity_ops.capacity_experts`), which run the same GEMM tiles
+(`moe.moe_experts`) and the capacity kernels (`capacity.capacity_experts`), which run the same GEMM tiles
 on other rows. A caller that sweeps tiles passes `tiles=MoeTiles(...)` instead (experiments/bench_kernels.py).
 
 The values come from experiments/bench_kernels.py on an H200 (results/h200/kernels_*.md): 64x128 tiles, 4 warps,
@@ -90,7 +90,7 @@ class GemvRule:
         return _within((T, self.tokens), (N, self.out), (K, self.inner))
 
 
-# Where the Triton GEMV (triton_ops.linear) replaces cuBLAS: first rule whose ranges hold (T, N, K); none: cuBLAS.
+# Where the Triton GEMV (gemv.linear) replaces cuBLAS: first rule whose ranges hold (T, N, K); none: cuBLAS.
 # Kept only where the captured step got faster on an H200 (results/h200/issue14_s5/variants_*_table.md): Qwen1.5's
 # o (2048 x 2048) and qkv (6144 x 2048), -33 us a step at bs 1 and -52 at bs 8 over 24 layers. The K = 4096
 # projections (Qwen3's o, Mixtral's qkv and o) beat cuBLAS by 1.3-2.4 us a call in bench_gemv.py, but that bench chained

@@ -48,8 +48,9 @@ ATTENTION_KINDS = {
 # How a family's modeling code picks each layer's attention window (FamilyAdapter.attention_windows).
 WINDOW_RULES = ("all", "layer_types", "none")
 # Decode-math features beyond standard attention and SiLU-gated bias-free experts (FamilyAdapter.features). HF's
-# modules run them all; the fused step runs a family only when moecg.fast declares each of its features in
-# FUSED_FEATURES (and its router kind in FUSED_ROUTER_KINDS): a declaration, so support lands in fast.py alone.
+# modules run them all; the fused step (moecg.fast) runs a family only when each of its features is in
+# FUSED_FEATURES and its router kind in FUSED_ROUTER_KINDS, below: declared beside the family facts (the fused step
+# reads them from here), so new support is fast.py's code plus one entry here.
 FEATURES = {
     "qk_norm_full": "q/k RMSNorm over the whole q/k projection, before the head split (OLMoE)",
     "partial_rotary": "rotary on the first partial_rotary_factor * head_dim dims of each head, the rest passed "
@@ -60,6 +61,10 @@ FEATURES = {
     "rmsnorm_cast_last": "RMSNorm multiplies the fp32 normalised x by the weight, then casts (GPT-OSS; Llama-style "
                          "norms cast first, then multiply)",
 }
+# router kinds (ROUTER_KINDS) the fused step routes with its own ops
+FUSED_ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_softmax")
+# decode-math features (FEATURES) the fused step computes
+FUSED_FEATURES = ("qk_norm_full", "partial_rotary", "attention_sinks", "clamped_swiglu_experts", "rmsnorm_cast_last")
 # Router kinds whose logits GEMM runs in fp32 (hidden states and weight cast to fp32, as HF's router forward does).
 ROUTER_LOGITS_FP32 = ("softmax_group", "sigmoid_group")
 
@@ -235,13 +240,11 @@ class FamilyAdapter:
             refuse("kv_lora_rank", f"capture.kernels=fused runs standard attention only (per-head K/V in the cache); "
                    f"this model uses {self.attention} attention ({ATTENTION_KINDS[self.attention]})",
                    "use capture.kernels=hf")
-        from moecg import fast  # the fused step declares what it runs; imported here, as fast imports this module
-
-        if self.router_kind not in fast.FUSED_ROUTER_KINDS:
+        if self.router_kind not in FUSED_ROUTER_KINDS:
             refuse("model_type", f"capture.kernels=fused has no router kernel for router kind {self.router_kind!r} "
-                   f"({ROUTER_KINDS[self.router_kind]}; it has {', '.join(fast.FUSED_ROUTER_KINDS)})",
+                   f"({ROUTER_KINDS[self.router_kind]}; it has {', '.join(FUSED_ROUTER_KINDS)})",
                    "use capture.kernels=hf")
-        missing = [f for f in self.features(config) if f not in getattr(fast, "FUSED_FEATURES", ())]
+        missing = [f for f in self.features(config) if f not in FUSED_FEATURES]
         if missing:
             refuse("model_type", "capture.kernels=fused does not compute " +
                    "; ".join(f"{f} ({FEATURES[f]})" for f in missing) + " (moecg.fast.FUSED_FEATURES)",

@@ -14,6 +14,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from moecg.models.adapter import adapter_for
+
 
 def skew_bias(num_experts: int, skew: float, generator: torch.Generator) -> torch.Tensor:
     rank = torch.randperm(num_experts, generator=generator)  # [E]
@@ -98,8 +100,6 @@ SKEWED_FORWARDS = {"softmax_topk": _skewed_softmax_topk, "softmax_group": _skewe
 
 def apply_router_skew(model, skew: float, seed: int = 0) -> None:
     """Bias every router of `model` (0 = off, HF's router unchanged). Undo with `remove_router_skew`."""
-    from moecg.models.adapter import adapter_for
-
     if skew < 0 or not math.isfinite(skew):
         raise ValueError(f"model.router_skew={skew}: must be a finite number >= 0 (0 = off; on random-weight routers 0.05-0.3 spans mild to saturated)")
     remove_router_skew(model)
@@ -133,8 +133,6 @@ def router_logit_bias(router) -> torch.Tensor | None:
 
 
 def remove_router_skew(model) -> None:
-    from moecg.models.adapter import adapter_for
-
     adapter = adapter_for(model)
     for layer in adapter.layers(model):
         router = adapter.router_of(layer)

@@ -27,9 +27,10 @@ from typing import ClassVar
 
 import torch
 
-from moecg.dispatch.base import count_valid, expert_mlp_grouped, expert_mlp_padded, route_counts, routed_mass
+from moecg.dispatch.base import expert_mlp_grouped, expert_mlp_padded
 from moecg.dispatch.capacity import Capacity
 from moecg.dispatch.dropless import Dropless, weigh_unsort
+from moecg.moe_math import count_valid, route_counts, routed_mass
 
 
 class ExpertParallel:
@@ -57,7 +58,7 @@ class EPCapacity(ExpertParallel, Capacity):
     name: ClassVar[str] = "capacity"
 
     def use_triton(self, *args, **kwargs) -> bool:
-        """Never: the Triton capacity kernels (moecg.kernels.capacity_ops) compute every expert in place, with no
+        """Never: the Triton capacity kernels (moecg.kernels.capacity) compute every expert in place, with no
         exchange; expert parallelism runs the padded path, whose experts_padded is the all-to-all below."""
         return False
 

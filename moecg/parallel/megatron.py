@@ -31,8 +31,8 @@ from typing import ClassVar
 import torch
 
 from moecg.dispatch import register_experts_impl
-from moecg.dispatch.base import (Dispatcher, count_valid, expert_mlp_grouped, expert_mlp_padded, route_counts,
-                                 routed_mass)
+from moecg.dispatch.base import Dispatcher, expert_mlp_grouped, expert_mlp_padded
+from moecg.moe_math import count_valid, route_counts, routed_mass
 
 
 def _megatron():

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moecg.parallel.dispatch import EP_VARIANTS
 from moecg.parallel.groups import torchrun_env
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -69,8 +70,6 @@ def resolve_parallel(p, device: torch.device, num_experts: int, dispatchers, com
             raise ParallelError(f"rank {env['rank']} has LOCAL_RANK={env['local_rank']} but only {n} GPUs are visible: "
                                 f"launch at most {n} processes per node (torchrun --nproc-per-node {n})")
     if ep > 1:
-        from moecg.parallel.dispatch import EP_VARIANTS
-
         for d in dispatchers:
             if d is not None and d.name not in EP_VARIANTS:
                 key = "dispatch" if d is dispatchers[0] else "dispatch.prefill"

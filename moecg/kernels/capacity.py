@@ -10,9 +10,9 @@ Three launches, no sort, no prefix-sum kernel, no host sync:
                         tokens, computed in the kernel from the row mask with capacity_on_device's float64 ops.
                         It writes the slot table [E, C], the kept count [E], a keep flag per assignment, zeroes the
                         output rows it drops (and pad rows), and adds its expert's counters (and C applied, tokens).
-  up   [E, C/BM, I/BN]: the dropless kernels' GEMM tile (triton_ops._up_tile) on the slot table's rows; program
+  up   [E, C/BM, I/BN]: the dropless kernels' GEMM tile (moe.up_tile) on the slot table's rows; program
                         (0, 0, 0) counts the tokens that lost all K (every expert's keep flags are written by then).
-  down [E, C/BM, D/BN]: triton_ops._down_tile, times the combine weight (renormalised over the token's kept
+  down [E, C/BM, D/BN]: moe.down_tile, times the combine weight (renormalised over the token's kept
                         assignments if asked, from the keep flags).
 The first slot block of every expert runs even when nothing was kept: every expert's weights are read once per call,
 what capacity's padded GEMM costs (`reads_all_experts`, so the floor counts all E). Further slot blocks run only when
@@ -26,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moecg.dispatch.capacity import DROP_POLICIES, capacity
+from moecg.moe_math import DROP_POLICIES, capacity
+from moecg.kernels.launch import dry_zeros, launch, p2
+from moecg.kernels.moe import ExpertArgs, down_tile, up_tile
 from moecg.kernels.tiles import moe_tiles
-from moecg.kernels.triton_ops import ExpertArgs, _down_tile, _dry_zeros, _launch, _p2, _up_tile
 
 BLOCK_T = 64  # tokens per ranking chunk: one chunk at every decode bucket up to 64
 
@@ -175,7 +176,7 @@ def _cap_up_kernel(x_ptr, valid_ptr, w_ptr, b_ptr, h_ptr, slot_ptr, nk_ptr, keep
     # slot block 0 runs with no row kept too: every expert's weights once, as a padded GEMM reads them
     if (mb == 0) | (n_kept > mb * BLOCK_M):
         dt = h_ptr.dtype.element_ty
-        hv, n, nm = _up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
+        hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
                              limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K)
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
@@ -190,7 +191,7 @@ def _cap_down_kernel(h_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, nk_ptr, keep_
     nb = tl.program_id(2)
     n_kept, rows, rmask = _slot_rows(slot_ptr, nk_ptr, e, mb, C, BLOCK_M)
     if (mb == 0) | (n_kept > mb * BLOCK_M):
-        o, n, nm = _down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
+        o, n, nm = down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
                               h_ptr.dtype.element_ty, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)
         tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         if RENORM:  # rescaled to the token's original total over its kept assignments, from the keep flags
@@ -204,7 +205,7 @@ def _cap_down_kernel(h_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, nk_ptr, keep_
         tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
 
 
-@_dry_zeros
+@dry_zeros
 def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, capacity_factor: float,
                      drop_policy: str = "probs", min_capacity: int = 1, renormalize: bool = False, spec=None,
                      gate_up_bias=None, down_bias=None, tiles=None):
@@ -231,21 +232,21 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
     count_cap = cnt and c.capacity is not None
     v = valid if valid is not None else idx
     has_valid = valid is not None
-    KP = _p2(K)
-    _launch(_cap_slots_kernel, (E,),
+    KP = p2(K)
+    launch(_cap_slots_kernel, (E,),
         idx, v, wc, slots, n_kept, keep, y, c.routed if cnt else h, c.dropped if cnt else h,
         c.routed_mass if cnt else h, c.dropped_mass if cnt else h, c.capacity if count_cap else h,
         c.calls if count_cap else h, c.tokens if cnt else h,
         T, E, C, capacity_factor_bits(capacity_factor), int(min_capacity), D, y.stride(1), K=K, KP=KP,
         POSITION=drop_policy == "position", HAS_VALID=has_valid, COUNT=cnt, COUNT_CAP=count_cap,
         BLOCK_T=BLOCK_T, BLOCK_D=128, num_warps=4)
-    _launch(_cap_up_kernel, (E, m_blocks, triton.cdiv(inter, t.up_n)),
+    launch(_cap_up_kernel, (E, m_blocks, triton.cdiv(inter, t.up_n)),
         x, v, gate_up, gate_up_bias if gate_up_bias is not None else h, h, slots, n_kept, keep,
         c.lost_all if cnt else h, T, C, D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
         K=K, KP=KP, HAS_VALID=has_valid, COUNT=cnt, JM=a.jm, JU=a.ju, HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=t.block_m, BLOCK_N=t.up_n, BLOCK_K=t.up_k, BLOCK_T=BLOCK_T, num_warps=t.warps, num_stages=t.stages)
-    _launch(_cap_down_kernel, (E, m_blocks, triton.cdiv(D, t.down_n)),
+    launch(_cap_down_kernel, (E, m_blocks, triton.cdiv(D, t.down_n)),
         h, wc, down, down_bias if down_bias is not None else h, y, slots, n_kept, keep,
         C, D, inter, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, KP=KP, RENORM=bool(renormalize),

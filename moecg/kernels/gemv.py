@@ -1,0 +1,89 @@
+"""Triton kernels of the fused decode step's dense projections: the small-batch GEMV (the qkv and o projections,
+where its table picks it over cuBLAS) and the SiLU-mul between a dense MLP's (or shared expert's) GEMMs. Same
+signatures as `moecg.kernels.ref`'s linear and silu_mul.
+
+Dims as in ref.py: T tokens, N output columns, K inner dim, I intermediate.
+Every kernel is graph-safe: no host syncs, device-side positions and counters, fixed launch grids per batch size
+(programs with no work exit at once); integer sizes that change with the batch are not specialised
+(`do_not_specialize`), so one compilation serves every bucket. Rounding follows HF's modules: bf16 after each
+elementwise op that HF runs in bf16.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moecg.kernels import tiles as _tiles
+from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
+
+
+# ------------------------------------------------------------------------------------------------------------
+# silu(gate) * up of a dense MLP or shared expert, [T, 2I] -> [T, I], one program per (row, 1024 columns)
+@triton.jit(do_not_specialize=["T"])
+def _silu_mul_kernel(gu_ptr, h_ptr, T, I, s_gt, s_ht, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < I
+    dt = h_ptr.dtype.element_ty
+    g = tl.load(gu_ptr + t * s_gt + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * s_gt + I + offs, mask=m, other=0.0).to(tl.float32)
+    a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+    tl.store(h_ptr + t * s_ht + offs, (a * u).to(dt), mask=m)
+
+
+@dry_zeros
+def silu_mul(gu, inter: int):
+    T = gu.shape[0]
+    assert gu.stride(1) == 1
+    h = torch.empty(T, inter, dtype=gu.dtype, device=gu.device)
+    launch(_silu_mul_kernel, (T, triton.cdiv(inter, 1024)), gu, h, T, inter, gu.stride(0), h.stride(0),
+            BLOCK=1024, num_warps=4, **pdl_args(gu.device))
+    return h
+
+
+# ------------------------------------------------------------------------------------------------------------
+# small-batch linear y [T, N] = x [T, K] @ w [N, K]^T (+ bias): one program per BLOCK_N output columns streams its
+# rows of W once for all T rows (T <= 16: one tl.dot row block), fp32 accumulation, bias added before the one
+# rounding (as cuBLAS's epilogue). cuBLAS runs some of these decode shapes as a split-K GEMM plus a reduce kernel;
+# this is one kernel with no workspace. Which shapes take it: moecg.kernels.tiles.gemv_tiles (a table from bench_gemv.py).
+@triton.jit(do_not_specialize=["T"])
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    pdl_enter(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    t = tl.arange(0, BLOCK_T)
+    tm = t < T
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + t[:, None] * s_yt + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=tm[:, None] & nm[None, :])
+
+
+GEMV_MAX_T = 16  # rows one program's tl.dot block holds
+
+
+@dry_zeros
+def linear(x, w, bias=None, tiles=None):
+    """As ref.linear. tiles: a moecg.kernels.tiles.GemvTiles (the Triton GEMV) or None: the table's choice for this
+    shape (gemv_tiles), which is cuBLAS (F.linear) where no rule holds."""
+    T, K = x.shape
+    N = w.shape[0]
+    t = tiles or _tiles.gemv_tiles(T, N, K)
+    if t is None or T > GEMV_MAX_T or x.stride(1) != 1 or w.stride(1) != 1 or (bias is not None and
+                                                                                bias.stride(0) != 1):
+        return F.linear(x, w, bias)
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    launch(_gemv_kernel, (triton.cdiv(N, t.block_n),), x, w, bias if bias is not None else y, y, T, N, K,
+            x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=16, BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device, t.pdl_trigger))
+    return y

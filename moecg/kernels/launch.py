@@ -1,0 +1,213 @@
+"""How every Triton kernel of the fused decode step launches: programmatic dependent launch (PDL), the dry run that
+records launches instead of running them, and the Precompiler that compiles what a dry run recorded.
+
+Shared launch arguments live here too: `p2` (block sizes), `pos_stride` (a decode position's layout) and the split
+kernels' arrival counters (`split_sems`). Nothing here computes; the ops are in norm_rope, attention, routers, gemv,
+moe and capacity.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import os
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from moecg.kernels.backend import interpreting
+
+
+def p2(n: int) -> int:
+    return triton.next_power_of_2(int(n))
+
+
+# Programmatic dependent launch (Hopper+): a kernel launched with it may start while its predecessor drains; it
+# waits (gdc_wait) for the predecessor's completion and memory before touching memory, so results are unchanged
+# and only launch latency and prologue overlap. Modes: 0 off; 1 wait only (the next kernel may launch as this one's
+# blocks exit); 2 also trigger the next kernel's launch at once (gdc_launch_dependents at the start).
+# PDL None: mode 2 where the device (sm90+) and Triton support it; benchmarks set 0, 1 or 2. Off under the CPU
+# interpreter.
+PDL: int | None = None
+
+
+def pdl_mode(device) -> int:
+    if device.type != "cuda":
+        return 0
+    if PDL is not None:
+        return int(PDL)
+    if interpreting() or not _pdl_supported():
+        return 0
+    return 2 if _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9 else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:  # noqa: BLE001 - no CUDA backend: no PDL
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+_SEMS: dict = {}  # (device, tiles, kernel) -> int32 zeros: split tiles' arrival counters, zeroed again by the kernel
+
+
+def split_sems(device, n: int, kind: str) -> torch.Tensor:
+    key = (str(device), n, kind)
+    if key not in _SEMS:
+        _SEMS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _SEMS[key]
+
+
+def pdl_args(device, trigger: bool = True) -> dict:
+    """The launch arguments of a PDL-aware kernel: its USE_PDL mode and, when on, Triton's launch option.
+    trigger False: at most mode 1 (the kernel's successor launches only as its blocks exit)."""
+    mode = pdl_mode(device)
+    mode = min(mode, 1) if not trigger else mode
+    return {"USE_PDL": mode, **({"launch_pdl": True} if mode else {})}
+
+
+@triton.jit
+def pdl_enter(MODE: tl.constexpr):
+    """A PDL-launched kernel's first statement (modes as PDL's): wait for the predecessor's completion and memory,
+    then (mode 2) let the successor launch."""
+    if MODE:
+        tl.extra.cuda.gdc_wait()
+        if MODE == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+def pos_stride(pos: torch.Tensor, T: int) -> int:
+    """A decode position: a device scalar (stride 0: every row at one position) or [T] (each row's own)."""
+    if pos.numel() == 1:
+        return 0
+    assert pos.shape == (T,) and pos.stride(0) == 1 and pos.dtype in (torch.int32, torch.int64), (pos.shape, T)
+    return 1
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Every kernel launch goes through `launch`. Inside `dry_run()` nothing launches: each launch is recorded (kernel, grid,
+# arguments) and every public op returns zeros of its outputs' shapes (the launches that would have written them
+# did not run), so a step run dry goes on safely (zeros are valid indices and weights for any torch op after).
+# A Precompiler given to dry_run compiles each distinct specialisation on a thread pool as soon as it is recorded:
+# Triton's code generation holds the GIL, but its ptxas and launcher (C compiler) subprocesses, about half of a cold
+# compile, overlap each other and the rest of the dry pass.
+_DRY: list | None = None
+_PRE = None  # the active dry_run's Precompiler, if any
+
+
+def launch(kernel, grid, *args, **kwargs):
+    if _DRY is not None:
+        _DRY.append((kernel, grid, args, kwargs))
+        if _PRE is not None:
+            _PRE.submit(kernel, grid, args, kwargs)
+        return
+    kernel[grid](*args, **kwargs)
+
+
+def dry_zeros(fn):
+    """An op whose outputs are zeros under dry_run() (its launches recorded, not run)."""
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if _DRY is not None:
+            for t in out if isinstance(out, tuple) else (out,):
+                if isinstance(t, torch.Tensor):
+                    t.zero_()
+        return out
+    return op
+
+
+@contextlib.contextmanager
+def dry_run(precompiler=None):
+    """Record the Triton launches of what runs inside, instead of launching them; yields the list. precompiler: a
+    Precompiler that each recorded launch is submitted to (compiled meanwhile; its wait() gives the record)."""
+    global _DRY, _PRE
+    if _DRY is not None:
+        raise RuntimeError("dry_run() is already active")
+    rec = []
+    _DRY, _PRE = rec, precompiler
+    try:
+        yield rec
+    finally:
+        _DRY = _PRE = None
+
+
+def _spec_key(kernel, args, kwargs) -> tuple:
+    """What Triton specialises a launch on, roughly: tensor dtype and 16-byte alignment, int 1 / multiple of 16 /
+    width (width only for do_not_specialize arguments), the constexpr and launch keywords. Launches with one key
+    compile once; a key finer than Triton's only costs a compile that finds Triton's cache filled."""
+    names = list(getattr(kernel, "arg_names", ()))
+    dns = {names.index(d) if isinstance(d, str) and d in names else d for d in getattr(kernel, "do_not_specialize", ())}
+
+    def one(i, a):
+        if isinstance(a, torch.Tensor):
+            return ("t", a.dtype, a.data_ptr() % 16 == 0)
+        if isinstance(a, bool):
+            return ("b", a)
+        if isinstance(a, int):
+            wide = not -2**31 <= a < 2**31
+            return ("i", wide) if i in dns else ("i", wide, a == 1, a % 16 == 0)
+        return (type(a).__name__, a if a is None or isinstance(a, str) else None)
+    return (id(kernel), tuple(one(i, a) for i, a in enumerate(args)),
+            tuple(sorted((k, one(-1, v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items())))
+
+
+def _build(kernel, grid, args, kwargs) -> None:
+    """Compile one launch's specialisation without running it, and build its launcher (a C module per signature)."""
+    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if dev is not None and dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:
+        init()
+
+
+class Precompiler:
+    """Compiles each distinct specialisation submitted (kernel, grid, args, kwargs) once, on a thread pool; wait()
+    joins them, re-raises the first error and returns {"launches", "specialisations", "seconds"} (from creation).
+    Under the CPU interpreter, or for kernels that are not Triton JIT functions, nothing compiles."""
+
+    def __init__(self, workers: int | None = None):
+        self._t0 = time.perf_counter()
+        self.launches = 0
+        self._futures: dict = {}
+        self._off = interpreting()
+        if not self._off:
+            try:  # Triton's hash of its own sources (lru-cached): once here, not once per thread racing to fill it
+                from triton.runtime.cache import triton_key
+                triton_key()
+            except ImportError:
+                pass
+        n = workers or min(os.cpu_count() or 1, 16)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="moecg-precompile")
+
+    def submit(self, kernel, grid, args, kwargs) -> None:
+        self.launches += 1
+        if self._off or not hasattr(kernel, "warmup"):
+            return
+        key = _spec_key(kernel, args, kwargs)
+        if key not in self._futures:
+            self._futures[key] = self._pool.submit(_build, kernel, grid, args, kwargs)
+
+    def cancel(self) -> None:
+        """Drop what has not started (the dry pass failed); running compiles finish in the background."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def wait(self) -> dict:
+        try:
+            for f in self._futures.values():
+                f.result()
+        finally:
+            self._pool.shutdown(wait=True)
+        return {"launches": self.launches, "specialisations": len(self._futures),
+                "seconds": time.perf_counter() - self._t0}

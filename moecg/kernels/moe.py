@@ -1,0 +1,316 @@
+"""Triton kernels of the dropless routed experts at decode sizes (`dispatch=fused`): two launches, no sort. Same
+signature as `moecg.kernels.ref.moe_experts`. The GEMM tiles (up_tile, down_tile) and the layout arguments
+(ExpertArgs) are shared with the capacity kernels (moecg.kernels.capacity), which pick their rows differently.
+
+Dims as in ref.py: T tokens, K top-k, S = T*K assignments, E experts, D hidden, I expert intermediate.
+Every kernel is graph-safe: no host syncs, device-side positions and counters, fixed launch grids per batch size
+(programs with no work exit at once); integer sizes that change with the batch are not specialised
+(`do_not_specialize`), so one compilation serves every bucket. Rounding follows HF's modules: bf16 after each
+elementwise op that HF runs in bf16.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moecg.kernels import tiles as _tiles
+from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
+
+
+# dropless MoE for small token counts (decode): grid (expert, row block, column block). Each program finds the
+# assignments routed to its expert by scanning the [S] expert ids (S = T*K, small at decode), so there is no
+# sort or prefix-sum kernel before it; experts nobody picked exit after the scan. Weights are read once per
+# (expert, row block): the GEMM tile's rows are that expert's tokens.
+# Weights are addressed by strides, so one kernel covers [E, 2I, D] / [E, D, I] and HF's transposed [E, D, 2I] /
+# [E, I, D] (GPT-OSS), with gate/up as two halves or interleaved columns (j = JM*n + JG for gate column n, + JU for
+# up); biases are added after each GEMM's rounding, as HF adds them; ACT 0 is SiLU, 1 GPT-OSS's clamped SwiGLU.
+# The GEMM tiles (up_tile, down_tile) are shared with the capacity kernels (moecg.kernels.capacity), which
+# pick their rows differently.
+@triton.jit
+def _rows_for(idx_ptr, valid_ptr, e, mb, S, K: tl.constexpr, HAS_VALID: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    """-> (count of valid assignments to expert e, their assignment ids for rank block mb [BLOCK_M], row mask)."""
+    r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.zeros([BLOCK_M], dtype=tl.int32)
+    base = 0
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ids = tl.load(idx_ptr + s, mask=s < S, other=-1)
+        hit = ids == e
+        if HAS_VALID:
+            hit = hit & (tl.load(valid_ptr + s // K, mask=s < S, other=0) != 0)
+        hi = hit.to(tl.int32)
+        rank = tl.cumsum(hi, axis=0) - 1 + base
+        sel = hit[None, :] & (rank[None, :] == r[:, None])  # [BLOCK_M, BLOCK_S]
+        rows += tl.sum(tl.where(sel, s[None, :], 0), axis=1)
+        base += tl.sum(hi, axis=0)
+    return base, rows, r < base
+
+
+@triton.jit
+def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha, limit,
+             dt: tl.constexpr, K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr,
+             ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act(gate, up) of assignments `rows` [BLOCK_M] (token = row // K) for expert e's columns block nb
+    -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask)."""
+    tok = rows // K
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < I
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    jg = n * JM  # gate column of output n in the 2I dim
+    ju = n * JM + JU
+    wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
+    wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
+    for k0 in range(0, D, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < D
+        x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+        u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+        acc_g = tl.dot(x, tl.trans(g), acc_g)
+        acc_u = tl.dot(x, tl.trans(u), acc_u)
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    if HAS_BIAS:
+        bb = b_ptr + e.to(tl.int64) * s_be
+        g = (g + tl.load(bb + jg, mask=nm, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+        u = (u + tl.load(bb + ju, mask=nm, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+    if ACT == 0:  # silu(gate) * up
+        a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+        hv = a * u
+    else:  # GPT-OSS: (clamp(up) + 1) * gate * sigmoid(alpha * gate), gate clamped from above
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        sg = tl.sigmoid((g * alpha).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        glu = (g * sg).to(dt).to(tl.float32)
+        hv = (u + 1.0).to(dt).to(tl.float32) * glu
+    return hv, n, nm
+
+
+@triton.jit
+def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The unrounded fp32 down-projection sum over I in [k_lo, k_hi) of h rows `rows` for output columns block nb
+    -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask)."""
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < D
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    wd = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < k_hi
+        h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+        acc = tl.dot(h, tl.trans(w), acc)
+    return acc, n, nm
+
+
+@triton.jit
+def _down_round(acc, e, n, nm, b_ptr, s_be, dt: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The down projection's fp32 sum rounded (and biased) as HF: dt after the GEMM, dt after the bias."""
+    o = acc.to(dt).to(tl.float32)
+    if HAS_BIAS:
+        o = (o + tl.load(b_ptr + e.to(tl.int64) * s_be + n, mask=nm, other=0.0).to(tl.float32)[None, :])
+        o = o.to(dt).to(tl.float32)
+    return o
+
+
+@triton.jit
+def down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
+               dt: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """Expert e's down projection of h rows `rows` for output columns block nb, rounded (and biased) as HF
+    -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask); the caller applies the routing weight."""
+    acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
+                           BLOCK_M, BLOCK_N, BLOCK_K)
+    return _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS), n, nm
+
+
+@triton.jit
+def _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K: tl.constexpr, HAS_VALID: tl.constexpr,
+               BLOCK_S: tl.constexpr):
+    """-> (the expert program p runs, whether it runs it). Expert grid (by_slot 0): program p is expert p. Slot
+    grid (by_slot 1, used when the S assignments are fewer than the experts, so most expert programs would only
+    exit): program p is assignment p, and runs its expert iff p is that expert's first valid assignment."""
+    e = p
+    lead = p >= 0
+    if by_slot:
+        e = tl.load(idx_ptr + p).to(tl.int32)
+        first = S
+        for s0 in range(0, S, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            hit = tl.load(idx_ptr + s, mask=s < S, other=-1) == e
+            if HAS_VALID:
+                hit = hit & (tl.load(valid_ptr + s // K, mask=s < S, other=0) != 0)
+            first = tl.minimum(first, tl.min(tl.where(hit, s, S), axis=0))
+        lead = first == p
+    return e, lead
+
+
+@triton.jit(do_not_specialize=["S", "by_slot"])
+def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_ptr, mass_ptr, tok_ptr,
+                   S, by_slot, D, I, s_xt, s_we, s_wj, s_wk, s_be, s_hs, alpha, limit,
+                   K: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr, JM: tl.constexpr,
+                   JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    p = tl.program_id(0)
+    mb = tl.program_id(1)
+    nb = tl.program_id(2)
+    e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
+    cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
+    if COUNT:
+        if (mb == 0) & (nb == 0):  # this expert's counters belong to this program alone: no atomics
+            if lead:
+                wsum = tl.zeros([BLOCK_S], dtype=tl.float32)
+                for s0 in range(0, S, BLOCK_S):
+                    s = s0 + tl.arange(0, BLOCK_S)
+                    hit = tl.load(idx_ptr + s, mask=s < S, other=-1) == e
+                    if HAS_VALID:
+                        hit = hit & (tl.load(valid_ptr + s // K, mask=s < S, other=0) != 0)
+                    wsum += tl.where(hit, tl.load(tw_ptr + s, mask=s < S, other=0.0).to(tl.float32), 0.0)
+                tl.store(cnt_ptr + e, tl.load(cnt_ptr + e) + cnt)
+                tl.store(mass_ptr + e, tl.load(mass_ptr + e) + tl.sum(wsum, axis=0))
+            if p == 0:
+                n_tok = S // K
+                if HAS_VALID:
+                    acc_v = tl.zeros([BLOCK_S], dtype=tl.int32)
+                    for t0 in range(0, S // K, BLOCK_S):
+                        tt = t0 + tl.arange(0, BLOCK_S)
+                        acc_v += (tl.load(valid_ptr + tt, mask=tt < S // K, other=0) != 0).to(tl.int32)
+                    n_tok = tl.sum(acc_v, axis=0)
+                tl.store(tok_ptr, tl.load(tok_ptr) + n_tok)
+    if lead & (cnt > mb * BLOCK_M):
+        dt = h_ptr.dtype.element_ty
+        hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
+                             limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K)
+        tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
+
+
+@triton.jit(do_not_specialize=["S", "by_slot", "k_chunk"])
+def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, part_ptr, sem_ptr, S, by_slot, D, I,
+                     k_chunk, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, HAS_VALID: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+    """SPLIT > 1 (split-K over I, for batch-1 steps whose column blocks alone are too few programs): each of a
+    tile's SPLIT programs stores its fp32 partial sum, and the last to finish (a per-tile counter) adds the
+    partials in split order, so the result is deterministic and rounded once, as without splits; it then
+    zeroes the counter for the next call (and graph replay)."""
+    pdl_enter(USE_PDL)
+    p = tl.program_id(0)
+    mb = tl.program_id(1)
+    nb = tl.program_id(2) // SPLIT
+    ks = tl.program_id(2) % SPLIT
+    if HAS_VALID:  # pad rows get zeros here (no kernel writes them otherwise): program 0 of each tile column
+        if (p == 0) & (ks == 0):
+            tt = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+            pad = (tt < S // K) & (tl.load(valid_ptr + tt, mask=tt < S // K, other=1) == 0)
+            nz = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            for k in tl.static_range(K):
+                tl.store(y_ptr + (tt * K + k)[:, None] * s_ys + nz[None, :],
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=pad[:, None] & (nz < D)[None, :])
+    e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
+    cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
+    if lead & (cnt > mb * BLOCK_M):
+        dt = h_ptr.dtype.element_ty
+        if SPLIT == 1:
+            acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
+                                   BLOCK_M, BLOCK_N, BLOCK_K)
+            o = _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS)
+            tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
+        else:
+            k_lo = ks * k_chunk
+            acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, tl.minimum(k_lo + k_chunk, I),
+                                   s_hs, s_we, s_wn, s_wk, BLOCK_M, BLOCK_N, BLOCK_K)
+            om = rmask[:, None] & nm[None, :]
+            tile_off = rows[:, None] * D + n[None, :]  # part: [SPLIT, S, D] fp32
+            tl.store(part_ptr + ks * S * D + tile_off, acc, mask=om)
+            tl.debug_barrier()
+            tile = (p * tl.num_programs(1) + mb) * (tl.num_programs(2) // SPLIT) + nb
+            done = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:  # the tile's last program: the other partials are visible (acquire)
+                tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for j in tl.static_range(SPLIT):
+                    tot += tl.load(part_ptr + j * S * D + tile_off, mask=om, other=0.0, cache_modifier=".cg")
+                o = _down_round(tot, e, n, nm, b_ptr, s_be, dt, HAS_BIAS)
+                tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+                tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=om)
+                tl.store(sem_ptr + tile, 0)
+
+
+class ExpertArgs:
+    """The layout arguments both MoE kernel families take, read off the weights and the adapter's ExpertSpec."""
+
+    def __init__(self, gate_up, down, spec=None, gate_up_bias=None, down_bias=None):
+        transposed = spec is not None and spec.transposed
+        self.act = 0 if spec is None or spec.act == "silu" else 1
+        if self.act and spec.act != "swiglu_clamp":
+            raise ValueError(f"expert activation {spec.act!r}: the MoE kernel knows silu and swiglu_clamp")
+        self.gate_up, self.down = gate_up, down
+        self.num_experts = gate_up.shape[0]
+        # strides along the 2I / I dim (j) and the D dim (k) of the up weights, along D (n) and I (k) of the down ones
+        self.s_wj, self.s_wk = (gate_up.stride(2), gate_up.stride(1)) if transposed else (gate_up.stride(1),
+                                                                                         gate_up.stride(2))
+        self.s_dn, self.s_dk = (down.stride(2), down.stride(1)) if transposed else (down.stride(1), down.stride(2))
+        self.inter = gate_up.shape[2 if transposed else 1] // 2
+        interleaved = spec is not None and spec.interleaved
+        self.jm, self.ju = (2, 1) if interleaved else (1, self.inter)
+        self.alpha = float(spec.alpha) if self.act else 1.0
+        self.limit = float(spec.limit) if self.act else 0.0
+        assert gate_up_bias is None or gate_up_bias.stride(1) == 1
+        assert down_bias is None or down_bias.stride(1) == 1
+        self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
+
+
+@dry_zeros
+def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
+                down_bias=None, tiles=None, grid: str = "auto"):
+    """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles).
+    grid: "expert" (a program per expert), "slot" (a program per assignment, the expert's first one runs it) or
+    "auto": slot when the assignments are fewer than the experts (decode at small batches), else expert."""
+    T, K = idx.shape
+    D = x.shape[1]
+    a = ExpertArgs(gate_up, down, spec, gate_up_bias, down_bias)
+    E, inter = a.num_experts, a.inter
+    S = T * K
+    assert x.stride(1) == 1 and idx.is_contiguous()
+    if grid not in ("auto", "expert", "slot"):
+        raise ValueError(f"grid={grid!r}: choose auto, expert or slot")
+    by_slot = grid == "slot" or (grid == "auto" and S < E)
+    P = S if by_slot else E
+    t = tiles or _tiles.moe_tiles(T, D, inter, E)
+    split = t.down_split if down_bias is None else 1  # a biased down projection keeps one pass (bias before round)
+    bm = t.block_m
+    m_blocks = triton.cdiv(T, bm)  # an expert gets at most one assignment per token
+    h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)  # pad rows: zeroed by the down kernel
+    wc = w.contiguous()
+    c = counters
+    launch(_moe_up_kernel, (P, m_blocks, triton.cdiv(inter, t.up_n)),
+        x, idx, valid if valid is not None else idx, wc, gate_up, gate_up_bias if gate_up_bias is not None else h,
+        h, c.routed if c is not None else h, c.routed_mass if c is not None else h,
+        c.tokens if c is not None else h, S, int(by_slot), D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
+        gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
+        K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=a.jm, JU=a.ju,
+        HAS_BIAS=gate_up_bias is not None, ACT=a.act,
+        BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=t.up_k, BLOCK_S=64, num_warps=t.warps, num_stages=t.stages,
+        **pdl_args(x.device, t.pdl_trigger))
+    n_blocks = triton.cdiv(D, t.down_n)
+    if split > 1:
+        k_chunk = triton.cdiv(triton.cdiv(inter, split), t.down_k) * t.down_k
+        split = triton.cdiv(inter, k_chunk)
+    else:
+        k_chunk = inter
+    part = torch.empty(split, S, D, dtype=torch.float32, device=x.device) if split > 1 else y
+    sems = split_sems(x.device, P * m_blocks * n_blocks, "moe_down") if split > 1 else idx
+    launch(_moe_down_kernel, (P, m_blocks, n_blocks * split),
+        h, idx, valid if valid is not None else idx, wc, down, down_bias if down_bias is not None else h, y, part,
+        sems, S, int(by_slot), D, inter, k_chunk, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
+        down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
+        HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=t.down_k, BLOCK_S=64,
+        num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device, t.pdl_trigger))
+    return y
