@@ -18,8 +18,9 @@ message, `phase` where it was raised). The cell list is fixed here, so both comm
         directory; a multirun gives one cell per job. README_SKIPPED lists the lines left out and why.
 
 The matrix cells run in one process, each through `python -m moecg.run`'s own entry (runpy, as `-m` does), so the
-record is exactly the CLI's results.json, the same cells in the same order at both commits. A full record takes
-about 10 minutes on a 2-core machine (`nice -n 10`); no subset is needed.
+record is exactly the CLI's results.json, the same cells in the same order at both commits. 680 cells, 696 records
+(the two README multiruns give 3 and 15 jobs); the whole list, no subset: 864 s for 0ce78b5 under `nice -n 10` on a
+2-core machine shared with other work.
 
 `diff` compares cell by cell every field except EXCLUDED (timings, memory of the process, the machine, the commit and
 the clock; each with its reason) and, for serving records, SERVING_EXCLUDED (fields that depend on when requests
@@ -96,13 +97,12 @@ README_SKIPPED = {
     "python -m moecg.run strategy=mixed 'strategy.layers=\"0-11:layer,12-23:attn\"' model=qwen1_5_moe_a2_7b": REAL,
     "python -m moecg.run experiment=capacity_sweep model=mixtral_8x7b model.num_layers=8": REAL + " (8 layers: 11B)",
     "python -m moecg.analysis multirun/": "reads results, writes no results.json",
-    "python -m moecg.run logger=wandb ...": "recorded (readme/wandb_offline); wandb online is never run",
     "python -m moecg.run -m hydra/launcher=submitit_slurm ...": "needs a SLURM cluster",
     "MOECG_RESULTS=... jupyter execute notebooks/analysis.ipynb": "a notebook, not a run",
     "python -m moecg.run workload=poisson ... model=qwen1_5_moe_a2_7b strategy=capacity workload.anchor=true": REAL,
     "python -m moecg.run workload=trace workload.file=/path/trace.csv workload.max_batch=16": "a placeholder path",
     "python -m moecg.run experiment=serving_sweep": REAL + " (qwen1_5_moe_a2_7b, 18 jobs)",
-    "python -m moecg.analysis multirun/<date>/<time> --serving-plot serving.png": "reads results, writes no results.json",
+    "python -m moecg.analysis multirun/<date>/<time> --serving-plot serving.png": "reads results, writes none",
     "torchrun --nproc-per-node 8 -m moecg.run parallel.ep=8 model=mixtral_8x7b ...": "8 GPUs (NCCL)",
     "torchrun --nproc-per-node 8 experiments/bench_ep.py ...": "8 GPUs and megatron-core; a benchmark, not a run",
     "bash experiments/h200x8_ep.sh ...": "8 H200s",
@@ -158,6 +158,7 @@ def record(args) -> int:
             _subprocess_cell(c, tree, tmp, out, env)
     secs = time.time() - t0
     manifest = {"commit": args.commit, "sha": sha, "cells": len(todo), "record_s": round(secs, 1),
+                "records": sum(1 for f in out.glob("*.json") if not f.name.startswith("_")),
                 "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "readme_skipped": README_SKIPPED, "only": args.only}
     (out / "_manifest.json").write_text(json.dumps(manifest, indent=2))
@@ -274,9 +275,15 @@ EXCLUDED = {
     # the record's own
     "no_results": "the log's tail, kept for reading",
 }
-# serving records (workload poisson | trace) only: served in real time, so which requests share a decode step depends
-# on how fast each step ran (seen between two records of the same commit)
-SERVING_EXCLUDED = {}
+# serving records (workload poisson | trace) only: requests are admitted when their arrival time has passed on the
+# wall clock, so how many decode steps run and which requests share each one depends on how fast each step ran (two
+# records of 0ce78b5: readme/poisson ran 325 vs 476 decode steps, readme/trace 226 vs 374). The per-request and
+# total counts (output_tokens, routed_assignments, token agreement, load imbalance) do not, and stay compared; so do
+# padding_waste, drop_rate_by_batch and capture_buckets, which would move with the steps too but are constant in
+# these CPU records (no graphs on CPU: no padding; dropless: no drops).
+_RT = "a serving run's step schedule: set by when requests arrive on the wall clock against the step times"
+SERVING_EXCLUDED = {"results.decode_steps": _RT, "results.step_batch": _RT, "results.batch_size_hist": _RT,
+                    "results.bucket_hist": _RT}
 
 
 def _flat(x, path="", out=None) -> dict:
@@ -334,7 +341,7 @@ def diff(args) -> int:
         d = [(p, fa[p], fb[p]) for p in fa if p in fb and not _same(fa[p], fb[p])]
         if d:
             differing[c] = d
-    lines = _report(args, len(names), missing, only_b, differing, added, removed)
+    lines = _report(args, A, B, len(names), missing, only_b, differing, added, removed)
     text = "\n".join(lines)
     print(text)
     if args.md:
@@ -348,7 +355,12 @@ def _short(v) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-def _report(args, n, missing, only_b, differing, added, removed) -> list[str]:
+def _tally(recs: dict) -> str:
+    st = [(r.get("results") or {}).get("status", "no results.json") for r in recs.values()]
+    return ", ".join(f"{st.count(k)} {k}" for k in sorted(set(st)))
+
+
+def _report(args, A, B, n, missing, only_b, differing, added, removed) -> list[str]:
     man = [json.loads((Path(d) / "_manifest.json").read_text()) if (Path(d) / "_manifest.json").is_file() else {}
            for d in (args.a, args.b)]
     L = [f"# record diff: A = {man[0].get('commit', args.a)} ({man[0].get('sha', '?')[:7]}), "
@@ -356,8 +368,8 @@ def _report(args, n, missing, only_b, differing, added, removed) -> list[str]:
          f"- cells compared: {n}", f"- equal: {n - len(differing)}", f"- differing: {len(differing)}",
          f"- fields added in B: {len(added)}", f"- fields removed in B: {len(removed)}",
          f"- cells missing in B: {len(missing)}", f"- cells only in B: {len(only_b)}",
-         f"- excluded fields: {', '.join(f'`{p}`' for p in EXCLUDED)}"
-         + (f"; serving records also {', '.join(f'`{p}`' for p in SERVING_EXCLUDED)}" if SERVING_EXCLUDED else ""),
+         *(f"- {side}, every record: {_tally(recs)}" for side, recs in (("A", A), ("B", B))),
+         f"- fields not compared: {len(EXCLUDED)} (+{len(SERVING_EXCLUDED)} in serving records), listed at the end",
          ""]
     if differing:
         by_path = defaultdict(list)
@@ -378,7 +390,10 @@ def _report(args, n, missing, only_b, differing, added, removed) -> list[str]:
     for title, cs in (("cells missing in B", missing), ("cells only in B", only_b)):
         if cs:
             L += [f"## {title}", ""] + [f"- {c}" for c in cs] + [""]
-    L.append("RESULT: " + ("DIFFERENT" if differing or removed or missing else "SAME (every compared field equal)"))
+    L += ["## fields not compared", "", "| path | records | why |", "|---|---|---|"]
+    L += [f"| `{p}` | all | {why} |" for p, why in EXCLUDED.items()]
+    L += [f"| `{p}` | serving | {why} |" for p, why in SERVING_EXCLUDED.items()]
+    L += ["", "RESULT: " + ("DIFFERENT" if differing or removed or missing else "SAME (every compared field equal)")]
     return L
 
 
