@@ -5,9 +5,9 @@ Dims: B rows run (a bucket, >= n), n real rows, S prompt tokens, V vocab, L cach
 The engine owns the loop; how a decode step runs is its step policy's (`set_policy`, StepPolicy: which row count
 a batch runs at, what runs the step, which forward runs one-token steps). The default, EagerPolicy, runs every
 batch at its own row count, eagerly; a capture strategy (moecg.capture.Capture) is a policy that pads to a bucket and
-replays its graph, or wraps modules of the model (single layers) from outside. Rows are "slots" in one StaticCache sized for the largest row count:
-a forward over B rows uses a view of the first B rows, so a batch that shrinks is compacted to the front and
-simply runs on fewer rows (a smaller bucket) with no new allocation and no re-capture.
+replays its graph, or wraps modules of the model (single layers) from outside. Rows are "slots" in one StaticCache
+sized for the largest row count: a forward over B rows uses a view of the first B rows, so a batch that shrinks is
+compacted to the front and simply runs on fewer rows (a smaller bucket) with no new allocation and no re-capture.
 
 Every cache layer is a linear StaticLayer of max_cache_len slots, sliding-window layers included: slot = absolute
 position, one device position counter shared by all layers and views. HF's own StaticCache would give sliding

@@ -167,7 +167,8 @@ def test_skew_hook_with_zero_bias_is_hf_router_and_removes_cleanly():
 def test_knobs_validated_and_recorded():
     model = _model("mixtral_tiny")
     for bad, match in [({"pdl": 3}, "capture.pdl=3"), ({"pdl": True}, "capture.pdl=True"),
-                       ({"overlap_shared": "yes"}, "capture.overlap_shared"), ({"fuse_router": 1}, "capture.fuse_router")]:
+                       ({"overlap_shared": "yes"}, "capture.overlap_shared"),
+                       ({"fuse_router": 1}, "capture.fuse_router")]:
         with pytest.raises(ValueError, match=match):
             FastDecode(model, "torch", **bad)
     attach(model, make_dispatcher("fused"), max_rows=2)
@@ -235,8 +236,8 @@ def test_pdl_set_for_the_fused_step_only(monkeypatch):
         real_launch = triton_ops._launch
         monkeypatch.setattr(triton_ops, "_launch", lambda k, g, *a, **kw: (launched.append(triton_ops.PDL),
                                                                              real_launch(k, g, *a, **kw)))
+        cap.decode_forward = cap.fast  # as apply() sets it, without capturing
         eng.set_policy(cap)
-        cap.decode_forward = eng.decode_forward = cap.fast
         cap._precompile([2, 1])
         assert launched and set(launched) == {0} and triton_ops.PDL is None
         assert cap.stats()["pdl"] == 0 and cap.stats()["pdl_mode"] == 0  # the CPU has no PDL

@@ -260,7 +260,8 @@ class Capture:
         """The knobs of this capture that change what runs (null where they do not apply: kernels=hf)."""
         fast = self.fast.describe() if self.fast is not None else {}
         return {"pdl": fast.get("pdl"), "pdl_mode": fast.get("pdl_mode"), "overlap_shared": fast.get("overlap_shared"),
-                "fuse_router": fast.get("fuse_router"), "precompile": self.precompile if self.fast is not None else None,
+                "fuse_router": fast.get("fuse_router"),
+                "precompile": self.precompile if self.fast is not None else None,
                 "fused_weight_mib": fast.get("fused_weight_mib")}
 
     def stats(self) -> dict:
