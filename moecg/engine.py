@@ -2,10 +2,12 @@
 
 Dims: B rows run (a bucket, >= n), n real rows, S prompt tokens, V vocab, L cache length, H kv heads, Dh head dim
 (keys and values may differ in both: MLA caches its latent, FamilyAdapter.kv_shapes).
-The engine owns the loop; a capture strategy only replaces `step_impl` (the whole decode step) or wraps
-modules of the model (single layers). Rows are "slots" in one StaticCache sized for the largest row count:
-a forward over B rows uses a view of the first B rows, so a batch that shrinks is compacted to the front and
-simply runs on fewer rows (a smaller bucket) with no new allocation and no re-capture.
+The engine owns the loop; how a decode step runs is its step policy's (`set_policy`, StepPolicy: which row count
+a batch runs at, what runs the step, which forward runs one-token steps). The default, EagerPolicy, runs every
+batch at its own row count, eagerly; a capture strategy (moecg.capture.Capture) is a policy that pads to a bucket and
+replays its graph, or wraps modules of the model (single layers) from outside. Rows are "slots" in one StaticCache
+sized for the largest row count: a forward over B rows uses a view of the first B rows, so a batch that shrinks is
+compacted to the front and simply runs on fewer rows (a smaller bucket) with no new allocation and no re-capture.
 
 Every cache layer is a linear StaticLayer of max_cache_len slots, sliding-window layers included: slot = absolute
 position, one device position counter shared by all layers and views. HF's own StaticCache would give sliding
@@ -28,7 +30,7 @@ import copy
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from transformers import StaticCache
@@ -161,6 +163,33 @@ class GenerateResult:
     extra: dict = field(default_factory=dict)
 
 
+class StepPolicy(Protocol):
+    """How an engine runs its decode steps (the engine calls these; mechanisms such as graph replay live behind)."""
+
+    decode_forward: Callable | None  # the forward of one-token steps (None: the model's own); prefill runs the model
+
+    def rows_for(self, n: int) -> int:
+        """Rows to run for n real ones (>= n; the extra rows are padding)."""
+
+    def step(self, ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [B_max] -> (next ids [B], logits [B, V]) for the first `rows` rows (B = rows)."""
+
+
+class EagerPolicy:
+    """The default step policy: every batch runs at its own row count, each step eagerly (`engine.eager_step`)."""
+
+    decode_forward = None
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def rows_for(self, n: int) -> int:
+        return n
+
+    def step(self, ids: torch.Tensor, rows: int):
+        return self.engine.eager_step(ids, rows)
+
+
 class DecodeEngine:
     def __init__(self, model, max_cache_len: int, max_rows: int, prefill_chunk: int | None = None):
         """prefill_chunk: prompt tokens per prefill forward (None: the whole prompt in one forward; module docstring)."""
@@ -172,12 +201,24 @@ class DecodeEngine:
         adapter_for(model).check_supported(model.config, "hf")  # a config moecg would decode wrongly: refused now
         self.cache = RowCache(model.config, max_rows, max_cache_len, self.device, self.dtype)
         self.ids = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] current tokens
-        # Strategy hooks: `rows_for(n)` picks how many rows to run for n real ones; `step_impl` runs a step.
-        self.rows_for: Callable[[int], int] = lambda n: n
-        self.step_impl: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = self.eager_step
-        # Optional replacement for the model's forward on decode calls (one token per row), e.g. an Inductor-
-        # compiled forward that a strategy then captures; prefill always runs the plain model.
-        self.decode_forward: Callable | None = None
+        # decode_forward: the forward of decode calls (one token per row) in place of the model's, e.g. the fused step
+        # or an Inductor-compiled forward that a strategy then captures; prefill always runs the plain model. It is
+        # the policy's (set_policy); a caller may also set it directly to run a step eagerly with another forward.
+        self.set_policy(None)
+
+    # -- the step policy ----------------------------------------------------------------------------
+    def set_policy(self, policy: StepPolicy | None) -> None:
+        """Run decode steps by `policy` (None: the default EagerPolicy), with its decode_forward."""
+        self.policy = policy if policy is not None else EagerPolicy(self)
+        self.decode_forward = self.policy.decode_forward
+
+    def rows_for(self, n: int) -> int:
+        """Rows the policy runs for n real ones."""
+        return self.policy.rows_for(n)
+
+    def step_impl(self, ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step as the policy runs it: ids [B_max] -> (next ids [B], logits [B, V])."""
+        return self.policy.step(ids, rows)
 
     # -- one forward ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -19,16 +19,23 @@ GLM-4-MoE (sigmoid_group router: its fp32 GEMM runs apart from the shared expert
 OLMoE (q/k norm over the whole projection, clip_qkv), GPT-OSS (router bias, topk_softmax, attention sinks,
 sliding/full layers, biased transposed interleaved clamped-SwiGLU experts, RMSNorm that casts last). DeepSeek's
 latent attention (MLA) is refused.
-It reads the HF model's own parameters. To make the qkv and router/shared-expert GEMMs one GEMM each, it moves
-those weights into concatenated buffers and re-points the HF parameters at views of them (no copy kept;
-the HF modules compute exactly what they did). The prefill still runs the HF model (`DecodeEngine.forward`
-uses a decode forward only for one-token steps), on the same cache.
+It reads the HF model's own parameters and edits none of them (its `.data`, its forward, its state_dict stay
+as they were). To make the qkv and router/shared-expert GEMMs one GEMM each it builds, once, its own concatenated
+copies of those weights (as gpt-fast builds `wqkv` at load time); a lone weight that needs no padding (a router
+without a shared expert beside it) is read in place. Memory: one more copy of the fused weights while the
+FastDecode lives (`owned_bytes`), bf16: 1.72 GB for Qwen1.5-MoE-A2.7B (24 layers; q/k/v, shared gate/up +
+shared gate + router: 6.0% of its 28.6 GB), 0.40 GB for Mixtral-8x7B at 8 layers (q/k/v; 1.7% of 23.7 GB), 1.01 GB for
+Qwen3-30B-A3B (48 layers, q/k/v; 1.6% of 61.1 GB), counted on the meta device. Re-pointing the HF parameters at views
+instead would save it but leave the model changed (its parameters' storage) after the FastDecode is gone. Weights
+changed after construction are not seen: build a new FastDecode.
+The prefill still runs the HF model (`DecodeEngine.forward` uses a decode forward only for one-token steps), on the
+same cache.
 The routed experts go through the attached moecg dispatcher (counters, masks, capacity all apply); with
 `dispatch=fused` on CUDA they are two Triton kernels.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext as _nullctx
+from contextlib import contextmanager, nullcontext as _nullctx
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -54,7 +61,7 @@ class _Layer:
     in_eps: float
     post_w: torch.Tensor
     post_eps: float
-    wqkv: torch.Tensor  # [(Hq+2Hkv)*Dh, D] view-backed by the HF q/k/v weights
+    wqkv: torch.Tensor  # [(Hq+2Hkv)*Dh, D] a copy of the HF q/k/v weights, concatenated
     bqkv: torch.Tensor | None
     wo: torch.Tensor
     bo: torch.Tensor | None
@@ -71,6 +78,7 @@ class _Layer:
     experts: object | None = None  # HF experts module (routed experts), None: dense layer
     mlp: object | None = None  # dense MLP module for non-MoE layers whose gate/up/down could not be fused
     wcat: torch.Tensor | None = None  # [2Is (+1) (+ E), D]: shared/dense gate | up | shared gate logit | router
+    # (a copy, padded to 8 rows; a lone router weight is the HF parameter itself, read only)
     bcat: torch.Tensor | None = None  # its bias (zeros but the router's rows), when the router's linear has a bias
     r0: int = 0  # router rows in wcat: [r0, r0 + n_experts)
     n_experts: int = 0
@@ -88,26 +96,41 @@ class _Layer:
     norm_route: bool = False  # the router is wcat alone (softmax_topk, no bias, no shared expert): ops.norm_route
 
 
-def _concat_params(params: list[torch.nn.Parameter], align: int = 1) -> torch.Tensor:
-    """Concatenate along dim 0 and re-point each parameter at its slice (no copy kept).
+def _fuse(params: list[torch.Tensor], align: int = 1) -> tuple[torch.Tensor, int]:
+    """(params concatenated along dim 0 as a new tensor, its bytes); the parameters are only read.
 
+    A lone parameter that needs no padding is returned itself (0 bytes: nothing copied).
     align: pad the rows to a multiple (zero rows at the end), so a GEMM's output rows stay 16-byte aligned;
     an odd row count (e.g. 2*5632 + 1 + 60) sends cuBLAS to a slow unaligned kernel.
     """
     rows = sum(p.shape[0] for p in params)
     pad = -rows % align
     if len(params) == 1 and not pad:
-        return params[0].data
-    parts = [p.data for p in params]
+        return params[0].detach(), 0
+    parts = [p.detach() for p in params]
     if pad:
         parts.append(parts[0].new_zeros(pad, *parts[0].shape[1:]))
-    cat = torch.cat(parts, dim=0)
-    o = 0
-    for p in params:
-        n = p.shape[0]
-        p.data = cat[o: o + n]
-        o += n
-    return cat
+    cat = torch.cat(parts, dim=0)  # [rows + pad, ...]
+    return cat, cat.numel() * cat.element_size()
+
+
+@contextmanager
+def _pdl_mode(mode: int | None):
+    """Launch the Triton kernels that run inside with PDL mode `mode` (None: leave the launch default as it is).
+
+    The launch helpers read the mode from a module attribute at launch time (graph capture records it); it is set for
+    the duration only, so the attribute keeps its default (None: auto) outside."""
+    if mode is None:
+        yield
+        return
+    from moecg.kernels import launch  # triton: optional; the module whose PDL the launches read
+
+    prev = launch.PDL
+    launch.PDL = mode
+    try:
+        yield
+    finally:
+        launch.PDL = prev
 
 
 def _eps(norm) -> float:
@@ -128,23 +151,38 @@ def check_supported(model) -> None:
         raise FastPathError(str(e)) from e
 
 
+PDL_MODES = (None, 0, 1, 2)
+
+
 class FastDecode:
     """Callable with the model forward's decode signature: (input_ids [B,1], cache, ...) -> .logits [B, 1, V].
 
     per_row_positions: on a cache whose layers carry per-row `lengths` (moecg.ragged.RaggedLayer) every row decodes
     at its own position (rotary, K/V slot, attention span and window); masks are the kernels' own, so a caller
-    passes none."""
+    passes none.
+
+    kernel_backend: "auto" (Triton on CUDA, else the PyTorch references), "triton" or "torch".
+    pdl: the Triton kernels' programmatic dependent launch mode (Hopper+): None the launch default (auto: mode 2
+      where the device and Triton support it, else 0), 0 off, 1 each kernel waits for its predecessor, 2 also
+      triggers its successor's launch at its start. Results are the same in every mode; only launch overlap changes.
+    overlap_shared: on CUDA the shared expert (silu-mul + down GEMM) runs on a second stream beside the routed
+      experts, joined before the combine: at small batches neither fills the GPU alone (same kernels, same numbers).
+    fuse_router: a router that is its own bias-free linear (softmax_topk, power-of-two k, no shared expert beside
+      it) runs with the residual add and norm before it as one kernel (ops.norm_route); False: add_rmsnorm, GEMM,
+      router kernel.
+    """
 
     per_row_positions = True
-    # On CUDA the shared expert (silu-mul + down GEMM) runs on a second stream beside the routed experts, joined
-    # before the combine: at small batches neither fills the GPU alone (the same kernels, so the same numbers).
-    # The benchmarks set False to measure without it.
-    overlap_shared = True
-    # A router that is its own bias-free linear (softmax_topk, power-of-two k, no shared expert beside it) runs with
-    # the residual add and norm before it as one kernel (ops.norm_route); False: add_rmsnorm, GEMM, router kernel.
-    fuse_router = True
 
-    def __init__(self, model, backend: str = "auto"):
+    def __init__(self, model, kernel_backend: str = "auto", *, pdl: int | None = None, overlap_shared: bool = True,
+                 fuse_router: bool = True):
+        if not (pdl is None or (type(pdl) is int and pdl in PDL_MODES)):
+            raise ValueError(f"capture.pdl={pdl!r}: must be null (auto), 0 (off), 1 (wait only) or 2 (wait and "
+                             "trigger the next launch)")
+        for name, v in (("overlap_shared", overlap_shared), ("fuse_router", fuse_router)):
+            if not isinstance(v, bool):
+                raise ValueError(f"capture.{name}={v!r}: must be true or false")
+        self.pdl, self.overlap_shared, self.fuse_router = pdl, overlap_shared, fuse_router
         check_supported(model)
 
         self.model = model
@@ -152,7 +190,7 @@ class FastDecode:
         self.adapter = ad = adapter_for(model)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.ops = get_ops(backend, self.device)
+        self.ops = get_ops(kernel_backend, self.device)
         self._side = None  # the shared expert's stream (overlap_shared), made once the model shows a shared expert
         self.backend = "triton" if self.ops is not ref else "torch"
         cfg = model.config
@@ -168,6 +206,7 @@ class FastDecode:
         self.norm_w, self.norm_eps = inner.norm.weight, _eps(inner.norm)
         self.lm_head = model.lm_head.weight
         self.rotary = inner.rotary_emb
+        self.owned_bytes = 0  # the fused weight copies this step holds (module docstring)
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         windows = ad.attention_windows(cfg)  # per layer, 0 = full: as the family's HF modeling code masks
         self.layers: list[_Layer] = []
@@ -186,8 +225,8 @@ class FastDecode:
             L = _Layer(
                 in_w=getattr(layer, ad.input_norm).weight, in_eps=_eps(getattr(layer, ad.input_norm)),
                 post_w=getattr(layer, ad.post_norm).weight, post_eps=_eps(getattr(layer, ad.post_norm)),
-                wqkv=_concat_params(qkv),
-                bqkv=_concat_params(bias) if all(b is not None for b in bias) else None,
+                wqkv=self._fuse(qkv),
+                bqkv=self._fuse(bias) if all(b is not None for b in bias) else None,
                 wo=o_proj.weight, bo=o_proj.bias, n_q=n_q, n_kv=n_kv, head_dim=at.head_dim,
                 scaling=float(at.scaling), window=windows[i], q_norm=q_norm, k_norm=k_norm,
                 qk_eps=_eps(at.q_norm) if q_norm is not None else 1e-6,
@@ -212,7 +251,7 @@ class FastDecode:
             return
         gate, up, L.w_sdown = (m.weight for m in mods)
         L.shared_inter = gate.shape[0]
-        L.wcat = _concat_params([gate, up], align=8)
+        L.wcat = self._fuse([gate, up], align=8)
 
     def _moe(self, L: _Layer, ad, block, layer) -> None:
         router = getattr(block, ad.router)
@@ -249,15 +288,34 @@ class FastDecode:
         else:
             rows.append(router.weight)
         if rows:
-            L.wcat = _concat_params(rows, align=8)
+            L.wcat = self._fuse(rows, align=8)
             if logit_bias is not None and not spec.logits_fp32:
-                L.bcat = L.wcat.new_zeros(L.wcat.shape[0])
-                L.bcat[L.r0: L.r0 + L.n_experts] = logit_bias.data
-                logit_bias.data = L.bcat[L.r0: L.r0 + L.n_experts]  # HF's router reads the same numbers
+                L.bcat = L.wcat.new_zeros(L.wcat.shape[0])  # [rows]: zeros but the router's, whose bias is copied
+                L.bcat[L.r0: L.r0 + L.n_experts] = logit_bias.detach()
+                self.owned_bytes += L.bcat.numel() * L.bcat.element_size()
         L.norm_route = (self.fuse_router and L.r0 == 0 and L.wcat is not None and L.bcat is None
                         and L.router_w32 is None and spec.kind == "softmax_topk" and (L.top_k & (L.top_k - 1)) == 0)
 
     # -- helpers ---------------------------------------------------------------------------------------
+    def _fuse(self, params, align: int = 1) -> torch.Tensor:
+        cat, nbytes = _fuse(params, align)
+        self.owned_bytes += nbytes
+        return cat
+
+    def pdl_mode(self) -> int | None:
+        """The PDL mode this step's Triton kernels launch with (None: it runs no Triton kernels)."""
+        if self.backend != "triton":
+            return None
+        with _pdl_mode(self.pdl):
+            from moecg.kernels import triton_ops  # triton: optional (this backend has it)
+
+            return triton_ops.pdl_mode(self.device)
+
+    def describe(self) -> dict:
+        """The knobs that change what this step runs, for the results record."""
+        return {"pdl": self.pdl, "pdl_mode": self.pdl_mode(), "overlap_shared": self.overlap_shared,
+                "fuse_router": self.fuse_router, "fused_weight_mib": self.owned_bytes / 2**20}
+
     def _side_stream(self):
         if not self.overlap_shared or self.device.type != "cuda":
             return None
@@ -314,6 +372,10 @@ class FastDecode:
     # -- the step --------------------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, input_ids, cache, use_cache: bool = True, logits_to_keep: int = 1, **_):
+        with _pdl_mode(self.pdl):
+            return self._step(input_ids, cache)
+
+    def _step(self, input_ids, cache):
         ops = self.ops
         T = input_ids.shape[0]
         if input_ids.shape[1] != 1:

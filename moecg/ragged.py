@@ -154,7 +154,7 @@ def ragged_windows(config, attn_implementation: str):
 class RaggedEngine(DecodeEngine):
     """Greedy serving-like decode: requests join (`add`) and leave (`remove`) between steps (`step`).
 
-    Capture strategies apply through moecg.capture.Capture as on DecodeEngine (its hooks: rows_for, step_impl,
+    Capture strategies apply through moecg.capture.Capture as on DecodeEngine (its step policy, set_policy; and
     eager_step, scratch, cache.reset/save_lengths/restore_lengths); apply the capture before the first `add`
     (capturing resets the cache).
     """
@@ -175,9 +175,7 @@ class RaggedEngine(DecodeEngine):
         self._plen = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # [B_max] a batched prefill's lengths
         self._slots_ar = torch.arange(max_cache_len, device=self.device)  # [L]
         self._additive = model.config._attn_implementation == "eager"
-        self.rows_for = lambda n: n
-        self.step_impl = self.eager_step
-        self._decode_forward = None
+        self.set_policy(None)  # EagerPolicy, no decode_forward
         # host bookkeeping: slot i holds request order[i]; host copies of each request's length
         self.order: list = []
         self.host_len: dict = {}

@@ -206,8 +206,12 @@ def check_families(cases):
     """The step padded as a captured bucket pads it (rows_for: 3 rows run as 4, the mask on the device), run eagerly:
     an emulated capture would only add warmup runs of the same function (tests/test_capacity_kernel.py has one)."""
     from moecg.dispatch import attach, detach, make_dispatcher, state_of
-    from moecg.engine import DecodeEngine
+    from moecg.engine import DecodeEngine, EagerPolicy
     from moecg.fast import FastDecode
+
+    class Pad4(EagerPolicy):  # eager steps on the 4 rows a captured bucket would run
+        def rows_for(self, n):
+            return 4
 
     prompts = torch.randint(0, 512, (3, 5), generator=torch.Generator().manual_seed(0))
     for preset, kw in cases:
@@ -220,7 +224,7 @@ def check_families(cases):
                 make_dispatcher("capacity", **kw, **opts)
             attach(model, disp, max_rows=4)
             eng = DecodeEngine(model, 16, 4)
-            eng.rows_for = lambda n: 4  # noqa: E731
+            eng.set_policy(Pad4(eng))
             eng.decode_forward = FastDecode(model, "torch")  # torch ops: only the experts run in the interpreter
             force = runs["torch"][0].tokens if runs else None
             r = eng.generate(prompts, 3, keep_logits=True, timing=False, count_prefill=False, force_tokens=force)

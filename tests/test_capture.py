@@ -11,7 +11,7 @@ import torch
 from moecg.capture import Capture, CaptureError, StrategyError, bucket_for, parse_layers, validate, validate_buckets
 from moecg.capture.graph import GraphRunner, make_backend
 from moecg.dispatch import attach, detach, make_dispatcher, state_of
-from moecg.engine import CacheOverflowError, DecodeEngine
+from moecg.engine import CacheOverflowError, DecodeEngine, EagerPolicy
 from moecg.models import build_model
 
 PRESETS = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny"]
@@ -117,7 +117,7 @@ def test_emulated_graphs_match_eager_with_padding_and_shrinking(model, strategy,
         ref = engine.generate(prompts, 10, lengths=[10, 4, 7], keep_logits=True)
         state_of(model).reset()
         cap = Capture(engine, strategy, layers=layers, buckets=[1, 2, 4, 8], backend="emulate").apply()
-        assert cap.stats()["captured"]
+        assert cap.stats()["captured"] and engine.policy is cap
         state_of(model).reset()
         got = engine.generate(prompts, 10, lengths=[10, 4, 7], keep_logits=True)
         assert torch.equal(got.tokens, ref.tokens)
@@ -134,7 +134,7 @@ def test_emulated_graphs_match_eager_with_padding_and_shrinking(model, strategy,
         cap.unwrap()
         again = engine.generate(prompts, 10, lengths=[10, 4, 7])
         assert torch.equal(again.tokens, ref.tokens)
-        assert engine.step_impl == engine.eager_step
+        assert type(engine.policy) is EagerPolicy and engine.decode_forward is None
     finally:
         detach(model)
 
@@ -187,7 +187,7 @@ def test_failed_capture_names_strategy_bucket_and_fixes(model, monkeypatch):
         with pytest.raises(CaptureError, match=r"strategy=full, bucket=4.*dispatch=dropless") as e:
             Capture(engine, "full", buckets=[1, 2, 4], backend="emulate").apply()
         assert "restart the process" in str(e.value) and "strategy=partial" in str(e.value)
-        assert engine.step_impl == engine.eager_step  # the failed apply unwrapped itself
+        assert type(engine.policy) is EagerPolicy  # the failed apply unwrapped itself
     finally:
         detach(model)
 

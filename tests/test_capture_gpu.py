@@ -10,10 +10,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from moecg.capture import Capture, StrategyError, bucket_for  # noqa: E402
 from moecg.capture.graph import GraphRunner  # noqa: E402
 from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
-from moecg.engine import DecodeEngine  # noqa: E402
+from moecg.engine import DecodeEngine, EagerPolicy  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+
+
+class _Padded(EagerPolicy):
+    """Eager steps on the rows a capture would pad to: the reference for a padded replay."""
+
+    def rows_for(self, n: int) -> int:
+        return bucket_for(n, tuple(BUCKETS))
 STEPS = 33  # 32 decode steps after the prefill token
 CASES = [  # strategy, layers, dispatch
     ("full", None, "dropless"),
@@ -55,7 +62,7 @@ def test_every_bucket_replays_eager_tokens(built, strategy, layers, dispatch):
         # padded batch changes GEMM shapes, hence bf16 rounding, hence near-tied greedy picks of a random model.
         sizes = [1, 2, 3, 8, 13, 32, 64]
         unpadded = {n: engine.generate(prompts[:n], STEPS, timing=False) for n in (3, 13)}
-        engine.rows_for = lambda n: bucket_for(n, tuple(BUCKETS))
+        engine.set_policy(_Padded(engine))
         refs = {n: engine.generate(prompts[:n], STEPS, keep_logits=4, timing=False) for n in sizes}
         cap = Capture(engine, strategy, layers=layers, buckets=BUCKETS, backend="cuda").apply()
         worst, agree = 0.0, {}
@@ -182,7 +189,7 @@ def test_new_family_strategies_replay_eager(built_new):
         attach(model, make_dispatcher(dispatch, **kw), max_rows=8)
         try:
             engine = DecodeEngine(model, 16 + steps, 8)
-            engine.rows_for = lambda n: bucket_for(n, tuple(BUCKETS))
+            engine.set_policy(_Padded(engine))
             sizes = [1, 3, 8] if dispatch != "dynamic" else [3]
             refs = {n: engine.generate(prompts[:n], steps, timing=False) for n in sizes}
             mixed = f"0-0:layer,1-{len(built_new.adapter.layers(model)) - 1}:attn" if strategy == "mixed" else None

@@ -19,7 +19,7 @@ from moecg.engine import DecodeEngine
 from moecg.floor import floor_bytes
 from moecg.models import apply_router_skew, build_model, make_config
 from moecg.models.adapter import UnsupportedConfigError, adapter_for
-from moecg.models.skew import SKEWED_FORWARDS
+from moecg.models.skew import ROUTES_FROM_LOGITS
 from moecg.models.zoo import FAMILY_PRESETS
 
 S, NEW, ROWS = 7, 8, 4
@@ -295,21 +295,19 @@ def test_save_pretrained_round_trip(fam, tmp_path):
 
 # -- routers -----------------------------------------------------------------------------------------------------
 def test_skewed_router_mirrors_hf_router(fam):
-    """The skewed forward of the family's router kind, with a zero bias, is HF's router bit for bit (ids, weights and
-    logits), so router skew changes only what the bias changes."""
+    """The skewed routing of the family's router kind (SkewHook's), from HF's logits with a zero bias, is HF's router
+    bit for bit (ids, weights and logits), so router skew changes only what the bias changes."""
     preset, b = fam
     ad = b.adapter
-    skewed = SKEWED_FORWARDS[ad.router_kind]
+    route = ROUTES_FROM_LOGITS[ad.router_kind]
     h = torch.randn(2 * S, b.model.config.hidden_size, generator=torch.Generator().manual_seed(4))  # [T, D]
     for i, _ in ad.moe_layers(b.model):
         router = ad.router_of(ad.layers(b.model)[i])
-        router._moecg_skew, router._moecg_spec = torch.zeros(router.num_experts), ad.router_spec(router)
-        try:
-            with torch.no_grad():
-                for got, want in zip(skewed(router, h), router(h)):
-                    assert got.dtype == want.dtype and torch.equal(got, want), preset
-        finally:
-            del router._moecg_skew, router._moecg_spec
+        with torch.no_grad():
+            want = router(h)
+            logits = want[0] + torch.zeros(router.num_experts).to(want[0].dtype)  # [T, E] a new tensor, as the hook's
+            for got, w in zip(route(router, logits, ad.router_spec(router)), want):
+                assert got.dtype == w.dtype and torch.equal(got, w), preset
     # as users skew random-weight routers: the preset as built (the random correction bias above saturates the load)
     model = build_model(preset, dtype="fp32", device="cpu").model
     imb = []
@@ -386,12 +384,9 @@ def test_deepseek_v2_group_limited_router():
     spec = b.adapter.router_spec(router)
     assert (spec.n_group, spec.topk_group, spec.normalize, spec.weights_fp32) == (4, 2, False, True)
     h = torch.randn(2 * S, b.model.config.hidden_size, generator=torch.Generator().manual_seed(6))  # [T, D]
-    router._moecg_skew = torch.zeros(router.num_experts)
-    try:
-        with torch.no_grad():
-            got, want = SKEWED_FORWARDS["softmax_group"](router, h), router(h)
-    finally:
-        del router._moecg_skew
+    with torch.no_grad():
+        want = router(h)
+        got = ROUTES_FROM_LOGITS["softmax_group"](router, want[0] + torch.zeros(router.num_experts), spec)
     assert all(torch.equal(x, y) for x, y in zip(got, want))
     ids = want[2]  # [T, K]: every token's experts lie in at most topk_group of the 4 groups
     assert int((torch.zeros(ids.shape[0], 4).scatter(1, ids // 4, 1.0).sum(1) <= 2).all())

@@ -326,8 +326,8 @@ def _n_compiled() -> int | None:
 
 
 def test_capture_precompile_leaves_nothing_to_compile_and_same_bits(monkeypatch):
-    """Capture.precompile: after the dry pass and the pool, the warmups and captures compile no kernel; the replayed
-    logits are bit-equal to a capture without the pass."""
+    """Capture(precompile=True): after the dry pass and the pool, the warmups and captures compile no kernel; the
+    replayed logits are bit-equal to a capture without the pass (precompile=False)."""
     b = build_model("qwen2_moe_tiny", dtype="bf16", device="cuda", seed=4)
     m = b.model
     prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
@@ -339,10 +339,9 @@ def test_capture_precompile_leaves_nothing_to_compile_and_same_bits(monkeypatch)
         after_pre["n"] = _n_compiled()
     monkeypatch.setattr(Capture, "_precompile", spy)
     for pre in (True, False):
-        monkeypatch.setattr(Capture, "precompile", pre)
         attach(m, make_dispatcher("fused"), max_rows=8)
         eng = DecodeEngine(m, 64, 8)
-        cap = Capture(eng, "full", buckets=(1, 2, 4, 8), kernels="fused").apply()
+        cap = Capture(eng, "full", buckets=(1, 2, 4, 8), kernels="fused", precompile=pre).apply()
         if pre:
             st = cap.stats()["precompiled"]
             assert st["specialisations"] > 0 and st["launches"] > st["specialisations"]

@@ -1,7 +1,9 @@
 """moecg.capture: apply a capture strategy to a decode engine, per batch bucket, and undo it.
 
-`Capture.apply()` validates (before any CUDA work), installs the strategy's hooks, and captures every bucket
-largest first into one memory pool. `unwrap()` restores the engine and the model.
+`Capture.apply()` validates (before any CUDA work), installs itself as the engine's step policy (which bucket a
+batch runs at, replay or eager; moecg.engine.StepPolicy) and the strategy's per-layer wrappers, and captures every
+bucket largest first into one memory pool. Capture and replay are GraphRunner's (mechanism); which graph a step
+replays is decided here (policy). `unwrap()` restores the engine's default policy and the model.
 """
 from __future__ import annotations
 
@@ -47,13 +49,19 @@ class CaptureError(RuntimeError):
 
 
 class Capture:
-    # kernels=fused on Triton: compile the step's kernels for every bucket on a thread pool before the first warmup
-    # (_precompile); False: each compiles inside the first warmup that launches it (benchmarks compare the two)
-    precompile = True
+    """A capture strategy applied to a decode engine (its step policy while applied).
+
+    kernels=fused: decode steps run moecg.fast.FastDecode(model, kernel_backend, pdl=, overlap_shared=, fuse_router=),
+    whose knobs these are (FastDecode says what each does); with kernels=hf they must keep their defaults.
+    precompile: kernels=fused on Triton: compile the step's kernels for every bucket on a thread pool before the first
+    warmup (_precompile); False: each compiles inside the first warmup that launches it (benchmarks compare the two).
+    """
 
     def __init__(self, engine, strategy: str = "eager", *, layers: str | None = None, buckets=DEFAULT_BUCKETS,
                  backend: str = "auto", warmup: int = 3, compile: bool = False,
-                 compile_mode: str = "default", kernels: str = "hf", kernel_backend: str = "auto"):
+                 compile_mode: str = "default", kernels: str = "hf", kernel_backend: str = "auto",
+                 pdl: int | None = None, overlap_shared: bool = True, fuse_router: bool = True,
+                 precompile: bool = True):
         self.engine = engine
         model = engine.model
         self.adapter = _adapter(model)
@@ -77,9 +85,21 @@ class Capture:
         validate_capture(self.spec, kernels, bool(compile), compile_mode)
         self.compile, self.compile_mode = bool(compile), compile_mode
         self.kernels = kernels
+        if not isinstance(precompile, bool):
+            raise StrategyError(f"capture.precompile={precompile!r}: must be true or false")
+        self.precompile = precompile
         self.fast = None
         if kernels == "fused":
-            self.fast = FastDecode(model, kernel_backend)  # checks the model first, before any CUDA work
+            # checks the model (and the knobs) first, before any CUDA work
+            self.fast = FastDecode(model, kernel_backend, pdl=pdl, overlap_shared=overlap_shared,
+                                   fuse_router=fuse_router)
+        else:
+            for name, v, default in (("pdl", pdl, None), ("overlap_shared", overlap_shared, True),
+                                     ("fuse_router", fuse_router, True)):
+                if v is not default:
+                    raise StrategyError(f"capture.{name}={v!r} only applies with capture.kernels=fused (a knob of the "
+                                        f"fused step); leave it at its default ({default!r}) with capture.kernels=hf")
+        self.decode_forward = None  # the step policy's forward of one-token steps (apply sets it)
         self.layer_graphs: LayerGraphs | None = None
         self.precompiled: dict | None = None  # triton_ops.Precompiler.wait()'s record, when it ran
         self._warned_big = False
@@ -90,8 +110,11 @@ class Capture:
     def captured(self) -> bool:
         return self.runner is not None and len(self.runner.entries) > 0
 
-    # -- policy hooks installed on the engine --------------------------------------------------------
-    def _rows_for(self, n: int) -> int:
+    # -- the step policy (moecg.engine.StepPolicy) ----------------------------------------------------
+    def rows_for(self, n: int) -> int:
+        """The bucket n real rows run at (n itself without graphs, or above the largest bucket)."""
+        if self.runner is None:
+            return n
         b = bucket_for(n, self.buckets)
         if b is None or b > self.engine.max_rows:
             if not self._warned_big:
@@ -101,8 +124,10 @@ class Capture:
             return n
         return b
 
-    def _step(self, ids, rows):
-        if rows in self.runner and ids is self.engine.ids:
+    def step(self, ids, rows):
+        """Replay the bucket's whole-step graph where there is one (scope step), else the eager step (whose layers
+        replay their own graphs under the per-layer scopes)."""
+        if self.spec.scope == "step" and self.runner is not None and rows in self.runner and ids is self.engine.ids:
             return self.runner.replay(rows)
         return self.engine.eager_step(ids, rows)
 
@@ -111,18 +136,16 @@ class Capture:
         if self.applied:
             return self
         eng = self.engine
-        if self.fast is not None:
-            eng.decode_forward = self.fast
+        self.decode_forward = self.fast
         if self.runner is None:  # eager strategy, or no CUDA
+            eng.set_policy(self)
             self.applied = True
             return self
-        eng.rows_for = self._rows_for
         state_of(eng.model).mask_in_graphs = self.spec.scope == "step" or "layer" in (self.scopes or [])
         if self.compile and self.spec.scope == "step":
-            eng.decode_forward = self._compiled(eng.model.forward)
-        if self.spec.scope == "step":
-            eng.step_impl = self._step
-        else:
+            self.decode_forward = self._compiled(eng.model.forward)
+        eng.set_policy(self)
+        if self.spec.scope != "step":
             layers = self.adapter.layers(eng.model)
             targets = [(i, scope, layers[i]) for i, scope in enumerate(self.scopes) if scope != "eager"]
             self.layer_graphs = LayerGraphs(targets, self.runner, self.adapter,
@@ -176,7 +199,7 @@ class Capture:
         from moecg.kernels import triton_ops  # Triton: optional, imported only where the fused step runs on it
 
         eng, state = self.engine, state_of(self.engine.model)
-        key = (tuple(order), eng.max_cache_len, triton_ops.pdl_mode(eng.device), tiles.MOE_TILE_RULES,
+        key = (tuple(order), eng.max_cache_len, self.fast.pdl_mode(), tiles.MOE_TILE_RULES,
                tiles.GEMV_RULES, state.dispatcher.name)
         done = _PRECOMPILED.setdefault(eng.model, set())
         if key in done:
@@ -224,17 +247,24 @@ class Capture:
 
     def unwrap(self) -> None:
         eng = self.engine
-        eng.decode_forward = None
         if self.layer_graphs is not None:
             self.layer_graphs.uninstall()
-        eng.rows_for = lambda n: n
-        eng.step_impl = eng.eager_step
+        eng.set_policy(None)
+        self.decode_forward = None
         state = state_of(eng.model)
         if state is not None:
             state.mask_in_graphs = False
         self.applied = False
 
     # -- records -----------------------------------------------------------------------------------------
+    def describe(self) -> dict:
+        """The knobs of this capture that change what runs (null where they do not apply: kernels=hf)."""
+        fast = self.fast.describe() if self.fast is not None else {}
+        return {"pdl": fast.get("pdl"), "pdl_mode": fast.get("pdl_mode"), "overlap_shared": fast.get("overlap_shared"),
+                "fuse_router": fast.get("fuse_router"),
+                "precompile": self.precompile if self.fast is not None else None,
+                "fused_weight_mib": fast.get("fused_weight_mib")}
+
     def stats(self) -> dict:
         per = defaultdict(lambda: {"capture_s": 0.0, "graph_mem_mib": 0.0, "replays": 0, "graphs": 0})
         if self.runner is not None:
@@ -258,6 +288,7 @@ class Capture:
             "kernels": self.kernels,
             "kernel_backend": self.fast.backend if self.fast is not None else None,
             "precompiled": self.precompiled,
+            **self.describe(),
         }
 
 
