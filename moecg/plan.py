@@ -8,7 +8,6 @@ prompts, and whether it fits this machine's memory. Every error names the config
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 
 from moecg.capture.buckets import bucket_for, validate_buckets
 from moecg.capture.plan import COMPILE_MODES, KERNELS, StrategyError, StrategySpec, validate, validate_capture
+from moecg.config.readers import PlanError, as_bool, as_choice, as_float, as_int
 from moecg.dispatch import REGISTRY, Dispatcher, make_dispatcher
 from moecg.parallel.plan import ParallelError, ParallelPlan, resolve_parallel
 
@@ -24,44 +24,6 @@ BACKENDS = ("auto", "cuda", "emulate", "none")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 PROMPTS = ("random", "heldout", "file")
 MEMORY_HEADROOM = 0.85  # refuse a run whose estimate exceeds this share of the memory available now
-
-
-class PlanError(ValueError):
-    """A config that cannot run: the message names the key and the fix."""
-
-
-# -- typed reads ------------------------------------------------------------------------------------------------
-def _int(value, key: str, lo: int | None = None, example=None) -> int:
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    if not ok and isinstance(value, float) and value.is_integer():
-        value, ok = int(value), True
-    if not ok or (lo is not None and value < lo):
-        bound = f" >= {lo}" if lo is not None else ""
-        raise PlanError(f"{key}={value!r}: must be an integer{bound} (e.g. {key}={example if example is not None else max(lo or 0, 1)})")
-    return value
-
-
-def _float(value, key: str, lo: float | None = None, strict: bool = False, example=None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PlanError(f"{key}={value!r}: must be a number (e.g. {key}={example if example is not None else 1.0})")
-    value = float(value)
-    bad = not math.isfinite(value) or (lo is not None and (value <= lo if strict else value < lo))
-    if bad:
-        rel = ">" if strict else ">="
-        raise PlanError(f"{key}={value!r}: must be a finite number {rel} {lo} (e.g. {key}={example})")
-    return value
-
-
-def _bool(value, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise PlanError(f"{key}={value!r}: must be true or false")
-    return value
-
-
-def _choice(value, key: str, choices) -> str:
-    if value not in choices:
-        raise PlanError(f"{key}={value!r}: choose one of {', '.join(map(str, choices))}")
-    return value
 
 
 # -- the plan -----------------------------------------------------------------------------------------------------
@@ -157,14 +119,14 @@ def resolve_plan(cfg) -> RunPlan:
     from moecg.models import resolve_device, resolve_dtype
     from moecg.workload import FIXED, resolve_workload, workload_name
 
-    batch = _int(cfg.batch_size, "batch_size", 1, 4)
-    prompt_len = _int(cfg.prompt_len, "prompt_len", 1, 16)
-    new_tokens = _int(cfg.new_tokens, "new_tokens", 1, 32)
-    seed = _int(cfg.seed, "seed", None, 0)
+    batch = as_int(cfg.batch_size, "batch_size", 1, 4)
+    prompt_len = as_int(cfg.prompt_len, "prompt_len", 1, 16)
+    new_tokens = as_int(cfg.new_tokens, "new_tokens", 1, 32)
+    seed = as_int(cfg.seed, "seed", None, 0)
     serving = workload_name(cfg.get("workload")) != "fixed"
     if not serving:
         max_cache_len = prompt_len + new_tokens if cfg.max_cache_len is None else \
-            _int(cfg.max_cache_len, "max_cache_len", 1, prompt_len + new_tokens)
+            as_int(cfg.max_cache_len, "max_cache_len", 1, prompt_len + new_tokens)
         if prompt_len + new_tokens > max_cache_len:
             raise PlanError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds max_cache_len="
                             f"{max_cache_len}: raise max_cache_len (or leave it null) or lower new_tokens")
@@ -179,7 +141,7 @@ def resolve_plan(cfg) -> RunPlan:
     if serving:
         # the requests decide the cache, the rows and the lengths: batch_size/prompt_len/new_tokens are fixed's
         workload, max_cache_len = resolve_workload(
-            cfg.workload, vocab=model.config.vocab_size, prompts_kind=_choice(cfg.prompts, "prompts", PROMPTS),
+            cfg.workload, vocab=model.config.vocab_size, prompts_kind=as_choice(cfg.prompts, "prompts", PROMPTS),
             max_cache_len=cfg.max_cache_len, max_positions=max_pos, default_seed=seed)
         batch = workload.max_batch
         prompt_len = max(r.prompt_len for r in workload.requests)
@@ -227,16 +189,16 @@ def resolve_plan(cfg) -> RunPlan:
         buckets = validate_buckets(c.buckets)
     except (ValueError, TypeError) as e:
         raise PlanError(str(e)) from None
-    backend = _choice(c.backend, "capture.backend", BACKENDS)
+    backend = as_choice(c.backend, "capture.backend", BACKENDS)
     if backend == "cuda" and device.type != "cuda":
         raise PlanError("capture.backend=cuda needs a CUDA device: use capture.backend=auto (or emulate on CPU)")
-    warmup = _int(c.warmup, "capture.warmup", 1, 3)
-    compile_ = _bool(c.compile, "capture.compile")
-    compile_mode = _choice(c.compile_mode, "capture.compile_mode", COMPILE_MODES)
+    warmup = as_int(c.warmup, "capture.warmup", 1, 3)
+    compile_ = as_bool(c.compile, "capture.compile")
+    compile_mode = as_choice(c.compile_mode, "capture.compile_mode", COMPILE_MODES)
     if not compile_ and compile_mode != "default":
         raise PlanError(f"capture.compile_mode={compile_mode} only applies with capture.compile=true")
-    kernels = _choice(c.kernels, "capture.kernels", KERNELS)
-    kernel_backend = _choice(c.kernel_backend, "capture.kernel_backend", KERNEL_BACKENDS)
+    kernels = as_choice(c.kernels, "capture.kernels", KERNELS)
+    kernel_backend = as_choice(c.kernel_backend, "capture.kernel_backend", KERNEL_BACKENDS)
     if kernels == "hf" and kernel_backend != "auto":
         raise PlanError(f"capture.kernel_backend={kernel_backend} only applies with capture.kernels=fused")
     try:
@@ -271,7 +233,7 @@ def resolve_plan(cfg) -> RunPlan:
     max_rows = max(bucket or batch, batch)
 
     measure = _measure_plan(cfg.measure, device, model, None if serving else new_tokens, parallel.ep)
-    prompts_kind = _choice(cfg.prompts, "prompts", PROMPTS)
+    prompts_kind = as_choice(cfg.prompts, "prompts", PROMPTS)
     if prompts_kind != "file" and cfg.prompt_file:
         raise PlanError(f"prompt_file is only read with prompts=file (got prompts={prompts_kind}): "
                         "add prompts=file or drop prompt_file")
@@ -322,7 +284,7 @@ def _prefill_chunk(value, prefiller: Dispatcher, workload) -> int | None:
 
     if value is None:
         return None
-    chunk = _int(value, "prefill_chunk", 2, 2048)
+    chunk = as_int(value, "prefill_chunk", 2, 2048)
     wl = workload_name(workload)
     if wl != "fixed":
         raise PlanError(f"prefill_chunk={chunk} with workload={wl}: serving prefills on the ragged engine, which does "
@@ -339,8 +301,8 @@ def _model_plan(m) -> ModelPlan:
     from moecg.models.zoo import family_of_config
 
     preset, path = m.preset, m.pretrained_path
-    num_layers = None if m.num_layers is None else _int(m.num_layers, "model.num_layers", 1, 2)
-    skew = _float(m.router_skew, "model.router_skew", 0.0, example=0.1)
+    num_layers = None if m.num_layers is None else as_int(m.num_layers, "model.num_layers", 1, 2)
+    skew = as_float(m.router_skew, "model.router_skew", 0.0, example=0.1)
     if path:
         p = Path(str(path)).expanduser()
         if not (p / "config.json").is_file():
@@ -409,7 +371,7 @@ def _measure_plan(m, device, model: ModelPlan, new_tokens: int | None, ep: int =
     if bw in (None, "auto"):
         bw, source = device_bandwidth_gbps(device)
     else:
-        bw, source = _float(bw, "measure.hbm_bandwidth_gbps", 0.0, strict=True, example=4300), "config"
+        bw, source = as_float(bw, "measure.hbm_bandwidth_gbps", 0.0, strict=True, example=4300), "config"
     nvl = m.nvlink_bandwidth_gbps
     if nvl in (None, "auto"):
         nvl, nvl_source = device_nvlink_gbps(device) if ep > 1 else (None, "unknown")
@@ -417,27 +379,27 @@ def _measure_plan(m, device, model: ModelPlan, new_tokens: int | None, ep: int =
         raise PlanError(f"measure.nvlink_bandwidth_gbps={nvl} prices the all-to-all of parallel.ep > 1, and this run has "
                         "parallel.ep=1 (no exchange): drop it")
     else:
-        nvl, nvl_source = _float(nvl, "measure.nvlink_bandwidth_gbps", 0.0, strict=True, example=450), "config"
+        nvl, nvl_source = as_float(nvl, "measure.nvlink_bandwidth_gbps", 0.0, strict=True, example=450), "config"
     want = m.heldout_bpb
     byte_level = model.config.vocab_size == 256
     if want == "auto":
         heldout = byte_level
     else:
-        heldout = _bool(want, "measure.heldout_bpb")
+        heldout = as_bool(want, "measure.heldout_bpb")
         if heldout and not byte_level:
             raise PlanError(f"measure.heldout_bpb=true needs a byte-level model (vocab_size 256; this one has "
                             f"{model.config.vocab_size}): use a *_stdlib model or measure.heldout_bpb=auto")
-    repeats = _int(m.repeats, "measure.repeats", 1, 3)
-    skip = _int(m.skip_steps, "measure.skip_steps", 0, 2)
+    repeats = as_int(m.repeats, "measure.repeats", 1, 3)
+    skip = as_int(m.skip_steps, "measure.skip_steps", 0, 2)
     if new_tokens is not None and skip >= new_tokens - 1 and new_tokens > 1:
         raise PlanError(f"measure.skip_steps={skip} leaves none of the {new_tokens - 1} decode steps to time: "
                         f"lower measure.skip_steps or raise new_tokens")
     return MeasurePlan(
-        repeats=repeats, skip_steps=skip, eager_baseline=_bool(m.eager_baseline, "measure.eager_baseline"),
-        fidelity=_bool(m.fidelity, "measure.fidelity"), fidelity_rows=_int(m.fidelity_rows, "measure.fidelity_rows", 0, 8),
+        repeats=repeats, skip_steps=skip, eager_baseline=as_bool(m.eager_baseline, "measure.eager_baseline"),
+        fidelity=as_bool(m.fidelity, "measure.fidelity"), fidelity_rows=as_int(m.fidelity_rows, "measure.fidelity_rows", 0, 8),
         hbm_bandwidth_gbps=bw, bandwidth_source=source, nvlink_bandwidth_gbps=nvl, nvlink_source=nvl_source,
         heldout_bpb=heldout,
-        heldout_bytes=_int(m.heldout_bytes, "measure.heldout_bytes", 2, 16384),
+        heldout_bytes=as_int(m.heldout_bytes, "measure.heldout_bytes", 2, 16384),
     )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moecg.plan import PlanError, _bool, _float, _int
+from moecg.config.readers import PlanError, as_bool, as_float, as_int
 
 NAMES = ("fixed", "poisson", "trace")
 KEYS = {  # the keys each workload reads (its YAML file's); anything else is refused
@@ -104,17 +104,17 @@ def resolve_workload(w, *, vocab: int, prompts_kind: str, max_cache_len, max_pos
     if unknown:
         raise PlanError(f"workload.{unknown[0]}: not a key of workload={name} (its keys: "
                         f"{', '.join(k for k in KEYS[name] if k != 'name')}): fix the spelling or drop it")
-    seed = default_seed if d.get("seed") is None else _int(d["seed"], "workload.seed", None, 0)
-    max_batch = _int(d.get("max_batch"), "workload.max_batch", 1, 8)
-    prefill_tokens = _int(d.get("prefill_tokens", 8192), "workload.prefill_tokens", 0, 8192)
-    anchor = _bool(d.get("anchor", False), "workload.anchor")
+    seed = default_seed if d.get("seed") is None else as_int(d["seed"], "workload.seed", None, 0)
+    max_batch = as_int(d.get("max_batch"), "workload.max_batch", 1, 8)
+    prefill_tokens = as_int(d.get("prefill_tokens", 8192), "workload.prefill_tokens", 0, 8192)
+    anchor = as_bool(d.get("anchor", False), "workload.anchor")
     if prompts_kind == "file":
         raise PlanError(f"prompts=file gives fixed-length rows; workload={name} draws each request's prompt: use "
                         "prompts=random (or heldout on byte-level models)")
     rate = file = None
     if name == "poisson":
-        rate = _float(d.get("rate"), "workload.rate", 0.0, strict=True, example=4.0)
-        n = _int(d.get("n_requests"), "workload.n_requests", 1, 32)
+        rate = as_float(d.get("rate"), "workload.rate", 0.0, strict=True, example=4.0)
+        n = as_int(d.get("n_requests"), "workload.n_requests", 1, 32)
         requests = poisson_requests(rate, n, d.get("prompt_len"), d.get("output_len"), seed)
         where = lambda r: "workload.prompt_len/output_len"  # noqa: E731
         shorten = "lower workload.prompt_len/output_len"
@@ -133,7 +133,7 @@ def resolve_workload(w, *, vocab: int, prompts_kind: str, max_cache_len, max_pos
             raise PlanError(f"{where(r)}: prompt_len + output_len = {r.prompt_len + r.output_len} exceeds the model's "
                             f"max_position_embeddings={max_positions}: {shorten}")
     else:
-        cache = _int(max_cache_len, "max_cache_len", 1, need)
+        cache = as_int(max_cache_len, "max_cache_len", 1, need)
         long = [r for r in requests if r.prompt_len + r.output_len > cache]
         if long:
             r = long[0]

@@ -1,0 +1,1 @@
+"""moecg.config: typed config groups and the readers they share (below moecg.plan and moecg.workload)."""
