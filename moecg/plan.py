@@ -16,6 +16,7 @@ import torch
 
 from moecg.capture.buckets import bucket_for, validate_buckets
 from moecg.capture.plan import COMPILE_MODES, KERNELS, StrategyError, StrategySpec, validate, validate_capture
+import moecg.config  # noqa: F401  (registers the config groups with Hydra's ConfigStore)
 from moecg.config.readers import PlanError, as_bool, as_choice, as_float, as_int
 from moecg.dispatch import REGISTRY, Dispatcher, make_dispatcher
 from moecg.parallel.plan import ParallelError, ParallelPlan, resolve_parallel

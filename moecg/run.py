@@ -11,6 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+import moecg.config  # noqa: F401  (registers the config groups before Hydra composes)
 from moecg.logger import NullLogger, make_logger
 from moecg.parallel.job import RankJob
 from moecg.schema import SERVING, SUMMARY
