@@ -131,15 +131,19 @@ def _build(plan: RunPlan, phases: Phases, group: EPGroup | None = None):
         return built
 
 
+def _capture_kwargs(plan: RunPlan) -> dict:
+    """Capture's keyword arguments from the plan's capture group."""
+    c = plan.capture
+    return {"buckets": c.buckets, "backend": c.backend, "warmup": c.warmup, "compile": c.compile,
+            "compile_mode": c.compile_mode, "kernels": c.kernels, "kernel_backend": c.kernel_backend}
+
+
 def _capture(engine, plan: RunPlan, rows: int, phases: Phases) -> Capture:
     with phases("capture", f"strategy={plan.strategy.name}"
-                + (f", buckets {[b for b in plan.buckets if b <= rows]}" if plan.captures else " (no graphs)")):
+                + (f", buckets {[b for b in plan.capture.buckets if b <= rows]}" if plan.captures else " (no graphs)")):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            cap = Capture(engine, plan.strategy.name, layers=plan.strategy_layers, buckets=plan.buckets,
-                          backend=plan.capture_backend, warmup=plan.warmup, compile=plan.compile,
-                          compile_mode=plan.compile_mode, kernels=plan.kernels,
-                          kernel_backend=plan.kernel_backend).apply()
+            cap = Capture(engine, plan.strategy.name, layers=plan.strategy_layers, **_capture_kwargs(plan)).apply()
         for w in caught:
             phases.say(f"warning: {w.message}")
     return cap
@@ -234,7 +238,7 @@ def _run(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
     stats = cap.stats()
     p50 = statistics.median(steps) if steps else float("nan")
     # no graphs and HF's modules: the run executed the baseline's own code path, a ratio would only measure noise
-    same_path = not stats["captured"] and plan.kernels == "hf" and not plan.compile
+    same_path = not stats["captured"] and plan.capture.kernels == "hf" and not plan.capture.compile
     eager_p50 = statistics.median(eager_steps) if eager_steps else (p50 if same_path else None)
     spreads = [s for s in (_spread(steps), _spread(eager_steps)) if s is not None]
     spread = max(spreads) if spreads else None

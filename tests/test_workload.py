@@ -144,7 +144,7 @@ def test_bad_workload_keys_refused(overrides, match):
 
 def test_fused_step_serves_and_latent_attention_is_refused():
     plan = _plan("workload=poisson", "strategy=full", "capture.kernels=fused", "dispatch=fused")
-    assert plan.kernels == "fused" and plan.serving
+    assert plan.capture.kernels == "fused" and plan.serving
     _refused(r"capture\.kernels=fused", "workload=poisson", "model=deepseek_v3_tiny", "strategy=full",
              "capture.kernels=fused", "dispatch=fused")
 

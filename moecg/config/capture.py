@@ -24,7 +24,8 @@ class CaptureConfig:
     warmup: Any = 3  # int >= 1: eager runs before each capture
     compile: Any = False  # experimental: Inductor-compile the captured pieces (fused kernels) before capture
     compile_mode: Any = "default"  # default | max-autotune-no-cudagraphs (never reduce-overhead: moecg owns the graphs)
-    kernels: Any = "hf"  # hf: decode runs HF's modules | fused: moecg.fast's fused decode step (strategy full/capacity/eager)
+    # hf: decode runs HF's modules | fused: moecg.fast's fused decode step (strategy full/capacity/eager)
+    kernels: Any = "hf"
     kernel_backend: Any = "auto"  # kernels=fused: auto (Triton on CUDA, PyTorch elsewhere) | triton | torch
 
     def resolve(self, spec: StrategySpec, device: torch.device) -> CapturePlan:

@@ -12,7 +12,8 @@ from typing import Any
 from moecg.config.readers import PlanError, plain
 from moecg.dispatch import REGISTRY, Dispatcher, make_dispatcher
 
-PREFILL = "same"  # dispatch.prefill: the eager prefill's dispatcher: same, or e.g. dropless to keep prompt tokens undropped
+# dispatch.prefill: the eager prefill's dispatcher: same, or e.g. dropless to keep prompt tokens undropped
+PREFILL = "same"
 
 
 def _default(f: dataclasses.Field):
@@ -27,7 +28,8 @@ def config_class(cls: type[Dispatcher]) -> type:
     own = [(f.name, Any, _default(f)) for f in dataclasses.fields(cls) if f.init]
     return dataclasses.make_dataclass(
         f"{cls.__name__}DispatchConfig",
-        [("name", Any, dataclasses.field(default=cls.name)), *own, ("prefill", Any, dataclasses.field(default=PREFILL))],
+        [("name", Any, dataclasses.field(default=cls.name)), *own,
+         ("prefill", Any, dataclasses.field(default=PREFILL))],
         namespace={"__doc__": f"dispatch={cls.name}: the options of {cls.__module__}.{cls.__qualname__} (its dataclass "
                               "fields and their comments) and dispatch.prefill"})
 

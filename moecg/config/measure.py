@@ -19,9 +19,12 @@ class MeasureConfig:
     skip_steps: Any = 2  # int >= 0: first decode steps of each repeat left out of the latency stats
     eager_baseline: Any = True  # time strategy=eager with the same dispatch in the same run -> speedup_vs_eager
     fidelity: Any = True  # greedy agreement and logit diff vs dropless eager
-    fidelity_rows: Any = 8  # int >= 0: rows whose logits are kept for max_logit_diff_vs_eager (serving: requests decoded alone)
-    hbm_bandwidth_gbps: Any = "auto"  # auto: the measured value for this device (moecg.floor), null where unknown (CPU); or GB/s
-    nvlink_bandwidth_gbps: Any = "auto"  # parallel.ep > 1: per direction, for the all-to-all floor; auto: moecg.floor's table
+    # int >= 0: rows whose logits are kept for max_logit_diff_vs_eager (serving: requests decoded alone)
+    fidelity_rows: Any = 8
+    # auto: the measured value for this device (moecg.floor), null where unknown (CPU); or GB/s
+    hbm_bandwidth_gbps: Any = "auto"
+    # parallel.ep > 1: per direction, for the all-to-all floor; auto: moecg.floor's table
+    nvlink_bandwidth_gbps: Any = "auto"
     heldout_bpb: Any = "auto"  # auto: on models with a shipped held-out set (byte-level) | true | false
     heldout_bytes: Any = 16384  # int >= 2: bytes of held-out text scored
 

@@ -21,8 +21,10 @@ class ModelConfig:
     """`model.*` (values typed by resolve(), see moecg.config.readers)."""
 
     preset: Any = None  # a key of moecg.models.zoo.PRESETS (set by model=<preset>); null for model=local
-    pretrained_path: Any = None  # a local HF checkpoint directory (save_pretrained); overrides the preset's weights and shape
-    num_layers: Any = None  # int >= 1: cut the depth (real-shape presets on one GPU); null: the preset's or checkpoint's
+    # a local HF checkpoint directory (save_pretrained); overrides the preset's weights and shape
+    pretrained_path: Any = None
+    # int >= 1: cut the depth (real-shape presets on one GPU); null: the preset's or checkpoint's
+    num_layers: Any = None
     dtype: Any = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     router_skew: Any = 0.0  # >= 0; 0 = HF router; > 0 biases logits toward a few experts per layer (Zipf-like)
     attn_implementation: Any = "sdpa"  # HF's attention; a preset whose family has no sdpa (GPT-OSS's sinks) gets eager
@@ -81,6 +83,7 @@ def options() -> dict[str, ModelConfig]:
     for name, preset in PRESETS.items():
         _, cls = FAMILIES[preset["family"]]
         # what HF itself runs when no implementation is asked for (the config records it, as it ran)
-        out[name] = ModelConfig(preset=name, attn_implementation=_attn_implementation(cls, ModelConfig.attn_implementation))
+        attn = _attn_implementation(cls, ModelConfig.attn_implementation)
+        out[name] = ModelConfig(preset=name, attn_implementation=attn)
     out["local"] = ModelConfig()  # model=local model.pretrained_path=/dir
     return out

@@ -19,17 +19,20 @@ from moecg.config.strategy import StrategyConfig
 class RunConfig:
     """The root's own keys (values typed by moecg.plan, see moecg.config.readers)."""
 
-    batch_size: Any = 4  # real rows (on each rank with parallel.ep > 1); padded up to the next capture bucket with graphs (workload=fixed)
+    # real rows (on each rank with parallel.ep > 1); padded up to the next capture bucket with graphs (workload=fixed)
+    batch_size: Any = 4
     prompt_len: Any = 16  # workload=fixed
     new_tokens: Any = 32  # workload=fixed: tokens generated per row, the first by the prefill
     seed: Any = 0  # weights, router skew and random prompts
     prompts: Any = "random"  # random | heldout (byte-level stdlib models) | file (prompt_file: one line of ids per row)
-    prompt_file: Any = None
+    prompt_file: Any = None  # prompts=file: a text file of token ids, one line per row
     max_cache_len: Any = None  # null: prompt_len + new_tokens (serving: the longest request's prompt_len + output_len)
-    prefill_chunk: Any = None  # null = one forward; N: the prompt in forwards of N tokens on the same cache (workload=fixed, dropless prefill)
+    # null = one forward; N: the prompt in forwards of N tokens on the same cache (workload=fixed, dropless prefill)
+    prefill_chunk: Any = None
     device: Any = "auto"  # auto | cpu | cuda
     results_file: Any = "results.json"  # in the job's directory
-    isolate: Any = "auto"  # auto: each sweep job in its own process on a GPU (a failed capture poisons CUDA) | true | false
+    # auto: each sweep job in its own process on a GPU (a failed capture poisons CUDA) | true | false
+    isolate: Any = "auto"
 
 
 @dataclass

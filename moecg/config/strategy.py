@@ -17,7 +17,8 @@ class StrategyConfig:
     (moecg.capture.plan.validate)."""
 
     name: Any = MISSING  # a key of moecg.capture.plan.STRATEGIES (set by strategy=<name>)
-    layers: Any = None  # strategy=mixed: per-layer scopes, inclusive ranges ('0-11:layer,12-23:attn'); unnamed layers run eagerly
+    # strategy=mixed: per-layer scopes, inclusive ranges ('0-11:layer,12-23:attn'); unnamed layers run eagerly
+    layers: Any = None
 
 
 def options() -> dict[str, tuple[object, str | None]]:
