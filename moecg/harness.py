@@ -35,7 +35,7 @@ from moecg.models import build_model
 from moecg.parallel import EPGroup, parallelize, shard_experts
 from moecg.plan import RunPlan, resolve_plan
 from moecg.report import env_fields, percentile
-from moecg.schema import NAMES, SERVING, ok_record
+from moecg.schema import NAMES, PERCENTILES, SERVING, ok_record
 
 NOISY_SPREAD = 1.5  # p90/p50 above this: the steps were not steady (a busy machine, or a coarse clock)
 
@@ -339,7 +339,7 @@ def _serve(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
     if hf is not None:
         a = request_metrics(hf["times"])
         out.update({f"anchor_{k}": a[k] for k in ("output_tokens_per_s", "serving_s", *(
-            f"{x}_p{p}" for x in ("ttft_ms", "tpot_ms", "e2e_ms") for p in (50, 90, 99)))})
+            f"{x}_p{p}" for x in ("ttft_ms", "tpot_ms", "e2e_ms") for p in PERCENTILES))})
         out.update(anchor_token_agreement=token_agreement(hf["tokens"], tl.tokens),
                    anchor_cuda_graphs=list(hf["cuda_graphs"]), anchor_attn_implementation=hf["attn_implementation"])
     if m.heldout_bpb:
