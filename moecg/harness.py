@@ -17,6 +17,7 @@ job's: counters summed over ranks, step times the slowest rank's, fidelity over 
 """
 from __future__ import annotations
 
+import inspect
 import resource
 import statistics
 import sys
@@ -132,10 +133,15 @@ def _build(plan: RunPlan, phases: Phases, group: EPGroup | None = None):
 
 
 def _capture_kwargs(plan: RunPlan) -> dict:
-    """Capture's keyword arguments from the plan's capture group."""
+    """Capture's keyword arguments from the plan's capture group (pdl None: auto)."""
     c = plan.capture
-    return {"buckets": c.buckets, "backend": c.backend, "warmup": c.warmup, "compile": c.compile,
-            "compile_mode": c.compile_mode, "kernels": c.kernels, "kernel_backend": c.kernel_backend}
+    kwargs = {"buckets": c.buckets, "backend": c.backend, "warmup": c.warmup, "compile": c.compile,
+              "compile_mode": c.compile_mode, "kernels": c.kernels, "kernel_backend": c.kernel_backend,
+              "pdl": c.pdl, "overlap_shared": c.overlap_shared, "fuse_router": c.fuse_router, "precompile": c.precompile}
+    # transitional: only the keywords Capture takes; this filter goes once Capture takes pdl, overlap_shared,
+    # fuse_router and precompile
+    takes = inspect.signature(Capture).parameters
+    return {k: v for k, v in kwargs.items() if k in takes}
 
 
 def _capture(engine, plan: RunPlan, rows: int, phases: Phases) -> Capture:
@@ -165,10 +171,10 @@ def _identity(plan: RunPlan, built, state, stats: dict, group: EPGroup) -> dict:
     }
 
 
-def _capture_fields(stats: dict) -> dict:
+def _capture_fields(plan: RunPlan, stats: dict) -> dict:
     return {"captured": stats["captured"], "capture_backend": stats["capture_backend"], "compiled": stats["compiled"],
             "capture_s": stats["capture_s"], "graph_mem_mib": stats["graph_mem_mib"], "graphs": stats["graphs"],
-            "capture_buckets": {str(k): v for k, v in stats["buckets"].items()}}
+            "capture_buckets": {str(k): v for k, v in stats["buckets"].items()}, **plan.capture.record()}
 
 
 def _memory_fields(plan: RunPlan, built, group: EPGroup) -> dict:
@@ -255,7 +261,7 @@ def _run(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
         "prompt_len": plan.prompt_len, "new_tokens": plan.new_tokens, "max_cache_len": plan.max_cache_len,
         "prefill_chunk": plan.prefill_chunk, "seed": plan.seed, "prompts": plan.prompts_kind, "capacity": cap_used,
         "capacity_buffer": cap_buffer,
-        **_capture_fields(stats),
+        **_capture_fields(plan, stats),
         "ms_per_token_p50": p50, "ms_per_token_p90": percentile(steps, 0.9),
         "latency_spread": spread, "latency_noisy": bool(spread is not None and spread > NOISY_SPREAD),
         "tokens_per_s": B * group.size * 1e3 / p50 if p50 == p50 and p50 > 0 else None,
@@ -329,7 +335,7 @@ def _serve(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
     out.update(_identity(plan, built, state, stats, group))
     out.update(workload=wl.name, workload_rate=wl.rate, workload_file=wl.file, max_batch=wl.max_batch,
                max_cache_len=plan.max_cache_len, seed=plan.seed, prompts=plan.prompts_kind,
-               capacity=drops["capacity_used"] if dispatcher.drops else None, **_capture_fields(stats),
+               capacity=drops["capacity_used"] if dispatcher.drops else None, **_capture_fields(plan, stats),
                latency_noisy=None, **_memory_fields(plan, built, group),
                hbm_bandwidth_gbps=m.hbm_bandwidth_gbps, bandwidth_source=m.bandwidth_source, **_drop_fields(drops))
     out.update(request_metrics(tl.requests))

@@ -127,6 +127,14 @@ FIELDS: tuple[Field, ...] = (
     _f("graph_mem_mib", "capture", "graph memory pool growth over all buckets", _S),
     _f("graphs", "capture", "graphs captured"),
     _f("capture_buckets", "capture", "per bucket: {capture_s, graph_mem_mib, replays, graphs}"),
+    _f("pdl", "capture", "capture.pdl: programmatic dependent launch of the Triton kernels, as configured (auto: mode 2 "
+       "on sm90+ where Triton has it, else 0 | 0 | 1 | 2); results equal, launch latency differs"),
+    _f("overlap_shared", "capture", "capture.overlap_shared as configured: kernels=fused on CUDA runs a shared expert "
+       "on a second stream beside the routed experts"),
+    _f("fuse_router", "capture", "capture.fuse_router as configured: kernels=fused runs a bias-free linear router with "
+       "the residual add and norm as one kernel"),
+    _f("precompile", "capture", "capture.precompile as configured: kernels=fused on Triton compiles its kernels on a "
+       "thread pool before the first warmup (capture_s differs)"),
     # latency
     _f("ms_per_token_p50", "latency", "median decode-step time (CUDA events on a GPU, after a warm generate; the "
        "first measure.skip_steps steps of each repeat dropped; serving: every step, whatever its batch)", _S, _A),

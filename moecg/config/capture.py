@@ -1,4 +1,10 @@
 """`capture.*`: how decode steps are captured and which kernels run them, checked against the strategy and device.
+
+The last four keys change measured numbers and are written to results.json: `pdl` (programmatic dependent launch
+of every Triton kernel moecg launches: the fused step's and the Triton MoE dispatchers'), and three switches of the
+fused step (capture.kernels=fused, refused without it): `overlap_shared` (the shared expert on a second CUDA stream),
+`fuse_router` (residual add + norm + router as one kernel), `precompile` (its Triton kernels compiled on a thread
+pool before the first warmup).
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from moecg.config.readers import PlanError, as_bool, as_choice, as_int
 
 BACKENDS = ("auto", "cuda", "emulate", "none")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
+PDL_MODES = ("auto", 0, 1, 2)
+FUSED_ONLY = ("overlap_shared", "fuse_router", "precompile")  # switches of the fused step: refused off it
 
 
 @dataclass
@@ -27,6 +35,14 @@ class CaptureConfig:
     # hf: decode runs HF's modules | fused: moecg.fast's fused decode step (strategy full/capacity/eager)
     kernels: Any = "hf"
     kernel_backend: Any = "auto"  # kernels=fused: auto (Triton on CUDA, PyTorch elsewhere) | triton | torch
+    # programmatic dependent launch of the Triton kernels: auto (2 on sm90+ where Triton has it, else 0) | 0 off |
+    # 1 wait only (the next kernel launches as this one's blocks exit) | 2 also trigger the next launch at once
+    pdl: Any = "auto"
+    overlap_shared: Any = True  # kernels=fused on CUDA: the shared expert on a second stream beside the routed experts
+    # kernels=fused: a bias-free linear router runs with the residual add and norm as one kernel
+    fuse_router: Any = True
+    # kernels=fused on Triton: compile every bucket's kernels on a thread pool before the first warmup
+    precompile: Any = True
 
     def resolve(self, spec: StrategySpec, device: torch.device) -> CapturePlan:
         try:
@@ -54,7 +70,15 @@ class CaptureConfig:
         if spec.scope == "eager" and compile_:
             raise PlanError("capture.compile=true compiles the captured pieces, and strategy=eager captures none: "
                             "pick a graph strategy or drop capture.compile")
-        return CapturePlan(buckets, backend, warmup, compile_, compile_mode, kernels, kernel_backend)
+        if isinstance(self.pdl, bool) or self.pdl not in PDL_MODES:
+            raise PlanError(f"capture.pdl={self.pdl!r}: choose one of {', '.join(map(str, PDL_MODES))}")
+        switches = {k: as_bool(getattr(self, k), f"capture.{k}") for k in FUSED_ONLY}
+        for k, v in switches.items():
+            if kernels != "fused" and v != getattr(CaptureConfig, k):
+                raise PlanError(f"capture.{k}={str(v).lower()} only applies with capture.kernels=fused (the fused "
+                                f"step's switch): drop it or add capture.kernels=fused")
+        return CapturePlan(buckets, backend, warmup, compile_, compile_mode, kernels, kernel_backend,
+                           None if self.pdl == "auto" else int(self.pdl), **switches)
 
 
 @dataclass(frozen=True)
@@ -66,3 +90,12 @@ class CapturePlan:
     compile_mode: str
     kernels: str  # hf | fused
     kernel_backend: str
+    pdl: int | None  # None: auto
+    overlap_shared: bool
+    fuse_router: bool
+    precompile: bool
+
+    def record(self) -> dict:
+        """The knobs results.json records (the other capture fields come from Capture.stats(): what took effect)."""
+        return {"pdl": "auto" if self.pdl is None else self.pdl, "overlap_shared": self.overlap_shared,
+                "fuse_router": self.fuse_router, "precompile": self.precompile}
