@@ -20,6 +20,7 @@ import torch
 
 from moecg.config.readers import PlanError, as_bool, as_float, as_int, plain
 from moecg.config.workload import WORKLOADS
+from moecg.quality import heldout_prompts
 
 NAMES = tuple(WORKLOADS)  # fixed | poisson | trace
 KEYS = {n: tuple(f.name for f in fields(cls)) for n, cls in WORKLOADS.items()}  # what each reads; others are refused
@@ -258,8 +259,6 @@ def request_prompt(kind: str, r: Request, seed: int, vocab: int) -> torch.Tensor
         if vocab != 256:
             raise PlanError(f"prompts=heldout gives byte ids, and this model's vocab is {vocab}: use a byte-level "
                             "model (*_stdlib) or prompts=random")
-        from moecg.quality import heldout_prompts
-
         return heldout_prompts(1, r.prompt_len, seed * 100_003 + r.id)[0]
     g = torch.Generator().manual_seed(seed * 100_003 + r.id)
     return torch.randint(0, vocab, (r.prompt_len,), generator=g)  # [S]
