@@ -47,12 +47,9 @@ def _json_files(path: Path) -> list[Path]:
 
 
 def _from_config(row: dict) -> None:
-    """Failed jobs record only strategy/dispatch/batch size: fill the sweep axes from their config."""
-    cfg = row.get("config") or {}
-    disp = cfg.get("dispatch") or {}
-    row.setdefault("model", (cfg.get("model") or {}).get("preset"))
-    row.setdefault("capacity_factor", disp.get("capacity_factor"))
-    row.setdefault("drop_policy", disp.get("drop_policy"))
+    """A row without some sweep axis (older failed records) gets it from its config, as the schema says."""
+    for name, value in schema.axes_from_config(row.get("config") or {}).items():
+        row.setdefault(name, value)
 
 
 def load_results(*paths) -> pd.DataFrame:

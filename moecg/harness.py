@@ -17,6 +17,7 @@ job's: counters summed over ranks, step times the slowest rank's, fidelity over 
 """
 from __future__ import annotations
 
+import inspect
 import resource
 import statistics
 import sys
@@ -35,7 +36,7 @@ from moecg.models import build_model
 from moecg.parallel import EPGroup, parallelize, shard_experts
 from moecg.plan import RunPlan, resolve_plan
 from moecg.report import env_fields, percentile
-from moecg.schema import NAMES, SERVING, ok_record
+from moecg.schema import NAMES, PERCENTILES, SERVING, ok_record
 
 NOISY_SPREAD = 1.5  # p90/p50 above this: the steps were not steady (a busy machine, or a coarse clock)
 
@@ -131,15 +132,24 @@ def _build(plan: RunPlan, phases: Phases, group: EPGroup | None = None):
         return built
 
 
+def _capture_kwargs(plan: RunPlan) -> dict:
+    """Capture's keyword arguments from the plan's capture group (pdl None: auto)."""
+    c = plan.capture
+    kwargs = {"buckets": c.buckets, "backend": c.backend, "warmup": c.warmup, "compile": c.compile,
+              "compile_mode": c.compile_mode, "kernels": c.kernels, "kernel_backend": c.kernel_backend,
+              "pdl": c.pdl, "overlap_shared": c.overlap_shared, "fuse_router": c.fuse_router, "precompile": c.precompile}
+    # transitional: only the keywords Capture takes; this filter goes once Capture takes pdl, overlap_shared,
+    # fuse_router and precompile
+    takes = inspect.signature(Capture).parameters
+    return {k: v for k, v in kwargs.items() if k in takes}
+
+
 def _capture(engine, plan: RunPlan, rows: int, phases: Phases) -> Capture:
     with phases("capture", f"strategy={plan.strategy.name}"
-                + (f", buckets {[b for b in plan.buckets if b <= rows]}" if plan.captures else " (no graphs)")):
+                + (f", buckets {[b for b in plan.capture.buckets if b <= rows]}" if plan.captures else " (no graphs)")):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            cap = Capture(engine, plan.strategy.name, layers=plan.strategy_layers, buckets=plan.buckets,
-                          backend=plan.capture_backend, warmup=plan.warmup, compile=plan.compile,
-                          compile_mode=plan.compile_mode, kernels=plan.kernels,
-                          kernel_backend=plan.kernel_backend).apply()
+            cap = Capture(engine, plan.strategy.name, layers=plan.strategy_layers, **_capture_kwargs(plan)).apply()
         for w in caught:
             phases.say(f"warning: {w.message}")
     return cap
@@ -161,10 +171,10 @@ def _identity(plan: RunPlan, built, state, stats: dict, group: EPGroup) -> dict:
     }
 
 
-def _capture_fields(stats: dict) -> dict:
+def _capture_fields(plan: RunPlan, stats: dict) -> dict:
     return {"captured": stats["captured"], "capture_backend": stats["capture_backend"], "compiled": stats["compiled"],
             "capture_s": stats["capture_s"], "graph_mem_mib": stats["graph_mem_mib"], "graphs": stats["graphs"],
-            "capture_buckets": {str(k): v for k, v in stats["buckets"].items()}}
+            "capture_buckets": {str(k): v for k, v in stats["buckets"].items()}, **plan.capture.record()}
 
 
 def _memory_fields(plan: RunPlan, built, group: EPGroup) -> dict:
@@ -234,7 +244,7 @@ def _run(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
     stats = cap.stats()
     p50 = statistics.median(steps) if steps else float("nan")
     # no graphs and HF's modules: the run executed the baseline's own code path, a ratio would only measure noise
-    same_path = not stats["captured"] and plan.kernels == "hf" and not plan.compile
+    same_path = not stats["captured"] and plan.capture.kernels == "hf" and not plan.capture.compile
     eager_p50 = statistics.median(eager_steps) if eager_steps else (p50 if same_path else None)
     spreads = [s for s in (_spread(steps), _spread(eager_steps)) if s is not None]
     spread = max(spreads) if spreads else None
@@ -251,7 +261,7 @@ def _run(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
         "prompt_len": plan.prompt_len, "new_tokens": plan.new_tokens, "max_cache_len": plan.max_cache_len,
         "prefill_chunk": plan.prefill_chunk, "seed": plan.seed, "prompts": plan.prompts_kind, "capacity": cap_used,
         "capacity_buffer": cap_buffer,
-        **_capture_fields(stats),
+        **_capture_fields(plan, stats),
         "ms_per_token_p50": p50, "ms_per_token_p90": percentile(steps, 0.9),
         "latency_spread": spread, "latency_noisy": bool(spread is not None and spread > NOISY_SPREAD),
         "tokens_per_s": B * group.size * 1e3 / p50 if p50 == p50 and p50 > 0 else None,
@@ -325,7 +335,7 @@ def _serve(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
     out.update(_identity(plan, built, state, stats, group))
     out.update(workload=wl.name, workload_rate=wl.rate, workload_file=wl.file, max_batch=wl.max_batch,
                max_cache_len=plan.max_cache_len, seed=plan.seed, prompts=plan.prompts_kind,
-               capacity=drops["capacity_used"] if dispatcher.drops else None, **_capture_fields(stats),
+               capacity=drops["capacity_used"] if dispatcher.drops else None, **_capture_fields(plan, stats),
                latency_noisy=None, **_memory_fields(plan, built, group),
                hbm_bandwidth_gbps=m.hbm_bandwidth_gbps, bandwidth_source=m.bandwidth_source, **_drop_fields(drops))
     out.update(request_metrics(tl.requests))
@@ -335,7 +345,7 @@ def _serve(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
     if hf is not None:
         a = request_metrics(hf["times"])
         out.update({f"anchor_{k}": a[k] for k in ("output_tokens_per_s", "serving_s", *(
-            f"{x}_p{p}" for x in ("ttft_ms", "tpot_ms", "e2e_ms") for p in (50, 90, 99)))})
+            f"{x}_p{p}" for x in ("ttft_ms", "tpot_ms", "e2e_ms") for p in PERCENTILES))})
         out.update(anchor_token_agreement=token_agreement(hf["tokens"], tl.tokens),
                    anchor_cuda_graphs=list(hf["cuda_graphs"]), anchor_attn_implementation=hf["attn_implementation"])
     if m.heldout_bpb:

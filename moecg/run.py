@@ -11,9 +11,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+import moecg.config  # noqa: F401  (registers the config groups before Hydra composes)
+from moecg.callbacks import one_line
 from moecg.logger import NullLogger, make_logger
 from moecg.parallel.job import RankJob
-from moecg.schema import SERVING, SUMMARY
+from moecg.schema import SERVING, SUMMARY, axes_from_config, failed_record
 
 
 def _fmt(v):
@@ -115,20 +117,11 @@ def _record_failure(cfg, e: BaseException, results_path: Path, prefix: str = "")
     """results.json with `status: failed`, the full `error` and `traceback`; ONE line on stderr.
 
     prefix: `rank r of R: ` for the rank of an expert-parallel job that failed first."""
-    from moecg.callbacks import one_line
-
-    from moecg.schema import failed_record
-
-    d = cfg.dispatch
-    axes = {"model": cfg.model.preset or cfg.model.pretrained_path, "strategy": cfg.strategy.name,
-            "dispatch": d.name, "capacity_factor": d.get("capacity_factor"), "drop_policy": d.get("drop_policy"),
-            "batch_size": cfg.batch_size, "ep": cfg.get("parallel", {}).get("ep")}
-    w = cfg.get("workload") or {}
-    axes.update(workload=w.get("name", "fixed"), workload_rate=w.get("rate"), max_batch=w.get("max_batch"))
+    config = OmegaConf.to_container(cfg, resolve=True)
     err = failed_record(prefix + (e.error if isinstance(e, JobProcessError) else f"{type(e).__name__}: {e}"),
                         getattr(e, "moecg_phase", "setup"),
                         getattr(e, "child_traceback", None) or "".join(traceback.format_exception(e)),
-                        OmegaConf.to_container(cfg, resolve=True), axes)
+                        config, axes_from_config(config))
     results_path.write_text(json.dumps(err, indent=2, default=str))
     print(f"moecg: job failed: {one_line(err['error'])} (details and traceback: {results_path})", file=sys.stderr)
 

@@ -2,11 +2,15 @@
 read this list (`python -m moecg.schema` prints the README table; a test checks the README holds it).
 
 Flags: `summary` rows of the printed run summary, `analysis` columns of `moecg.analysis`'s table, `axis` sweep
-axes (always columns, filled from the config for failed jobs).
+axes (always columns, filled from the config for failed jobs: `config` names the keys an axis is read from).
+`PERCENTILES` are the percentiles every per-request latency is recorded at.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+PERCENTILES = (50, 90, 99)  # of every per-request latency (serving, anchor): <latency>_p50, _p90, _p99
 
 
 @dataclass(frozen=True)
@@ -17,24 +21,27 @@ class Field:
     summary: bool = False
     analysis: bool = False
     axis: bool = False
+    config: tuple[str, ...] = ()  # axes: the config keys it is read from for a failed job (the first not null)
 
 
 _S, _A, _X = "summary", "analysis", "axis"
 
 
-def _f(name, group, doc, *flags):
-    return Field(name, group, doc, _S in flags, _A in flags, _X in flags)
+def _f(name, group, doc, *flags, config=()):
+    return Field(name, group, doc, _S in flags, _A in flags, _X in flags, tuple(config))
 
 
 def _pct(name, group, doc, summary=None, analysis=None):
-    """p50 / p90 / p99 fields of one per-request latency."""
-    return tuple(Field(f"{name}_p{p}", group, f"{doc}: p{p}" if p == 50 else f"p{p}", p == summary, p == analysis)
-                 for p in (50, 90, 99))
+    """One field per PERCENTILES of one per-request latency."""
+    first = PERCENTILES[0]
+    return tuple(Field(f"{name}_p{p}", group, f"{doc}: p{p}" if p == first else f"p{p}", p == summary, p == analysis)
+                 for p in PERCENTILES)
 
 
 FIELDS: tuple[Field, ...] = (
     # what ran
-    _f("model", "what", "preset name, or the checkpoint directory's name for model=local", _S, _A, _X),
+    _f("model", "what", "preset name, or the checkpoint directory's name for model=local", _S, _A, _X,
+       config=("model.preset", "model.pretrained_path")),
     _f("family", "what", "the model family (a key of moecg.models.zoo.FAMILIES, e.g. mixtral, deepseek_v3, gpt_oss)"),
     _f("num_layers", "what", "decoder layers"),
     _f("num_experts", "what", "routed experts per MoE layer"),
@@ -44,22 +51,24 @@ FIELDS: tuple[Field, ...] = (
        "family has no sdpa path: GPT-OSS's sinks)"),
     _f("device", "what", "cpu | cuda"),
     # how
-    _f("strategy", "how", "eager | partial | layer | full | capacity | mixed", _S, _A, _X),
+    _f("strategy", "how", "eager | partial | layer | full | capacity | mixed", _S, _A, _X, config=("strategy.name",)),
     _f("strategy_layers", "how", "strategy=mixed: the per-layer scopes as given"),
-    _f("dispatch", "how", "dynamic | dropless | fused | capacity", _S, _A, _X),
-    _f("capacity_factor", "how", "dispatch=capacity only (null otherwise)", _S, _A, _X),
-    _f("drop_policy", "how", "dispatch=capacity only: probs | position", _A, _X),
+    _f("dispatch", "how", "dynamic | dropless | fused | capacity", _S, _A, _X, config=("dispatch.name",)),
+    _f("capacity_factor", "how", "dispatch=capacity only (null otherwise)", _S, _A, _X,
+       config=("dispatch.capacity_factor",)),
+    _f("drop_policy", "how", "dispatch=capacity only: probs | position", _A, _X, config=("dispatch.drop_policy",)),
     _f("prefill_dispatch", "how", "the eager prefill's dispatcher (dispatch.prefill)"),
     _f("router_skew", "how", "model.router_skew"),
     _f("kernels", "how", "capture.kernels: hf (HF's modules) | fused (moecg.fast's decode step)", _S),
     _f("kernel_backend", "how", "kernels=fused: which ops ran (triton | torch); null for hf"),
-    _f("ep", "how", "parallel.ep: expert-parallel ranks, one process each (1: one process, today's path)", _S, _A, _X),
+    _f("ep", "how", "parallel.ep: expert-parallel ranks, one process each (1: one process, today's path)", _S, _A, _X,
+       config=("parallel.ep",)),
     _f("ep_backend", "how", "ep > 1: the torch.distributed backend that carried the all-to-alls (nccl | gloo)"),
     # workload
     _f("workload", "workload", "fixed (one batch started together) | poisson | trace (serving: requests join and "
-       "leave, moecg.serving)", _S, _A, _X),
+       "leave, moecg.serving)", _S, _A, _X, config=("workload.name",)),
     _f("batch_size", "workload", "real rows (workload=fixed, on each rank with ep > 1; serving: null, see max_batch)",
-       _S, _A, _X),
+       _S, _A, _X, config=("batch_size",)),
     _f("bucket", "workload", "rows a captured step runs (the batch padded up); null without graphs or when serving "
        "(see bucket_hist)", _S),
     _f("prompt_len", "workload", "prompt tokens per row (workload=fixed)"),
@@ -73,10 +82,11 @@ FIELDS: tuple[Field, ...] = (
        "counters: Megatron's formula on the real tokens, whatever the bucket", _S),
     _f("capacity_buffer", "workload", "capacity only: slots per expert the decode buffers hold (C of the bucket)"),
     # serving (workload=poisson | trace; null for a fixed batch)
-    _f("workload_rate", "serving", "poisson: mean arrivals per second (workload.rate)", _A, _X),
+    _f("workload_rate", "serving", "poisson: mean arrivals per second (workload.rate)", _A, _X,
+       config=("workload.rate",)),
     _f("workload_file", "serving", "trace: the file's name, without its directory"),
     _f("max_batch", "serving", "requests decoded at once at most (workload.max_batch); admission first come, first "
-       "served", _S, _A, _X),
+       "served", _S, _A, _X, config=("workload.max_batch",)),
     _f("n_requests", "serving", "requests served"),
     _f("serving_s", "serving", "seconds from the start of serving to the last request's last token"),
     _f("output_tokens", "serving", "tokens generated, every request (its first by its prefill)"),
@@ -117,6 +127,14 @@ FIELDS: tuple[Field, ...] = (
     _f("graph_mem_mib", "capture", "graph memory pool growth over all buckets", _S),
     _f("graphs", "capture", "graphs captured"),
     _f("capture_buckets", "capture", "per bucket: {capture_s, graph_mem_mib, replays, graphs}"),
+    _f("pdl", "capture", "capture.pdl: programmatic dependent launch of the Triton kernels, as configured (auto: mode 2 "
+       "on sm90+ where Triton has it, else 0 | 0 | 1 | 2); results equal, launch latency differs"),
+    _f("overlap_shared", "capture", "capture.overlap_shared as configured: kernels=fused on CUDA runs a shared expert "
+       "on a second stream beside the routed experts"),
+    _f("fuse_router", "capture", "capture.fuse_router as configured: kernels=fused runs a bias-free linear router with "
+       "the residual add and norm as one kernel"),
+    _f("precompile", "capture", "capture.precompile as configured: kernels=fused on Triton compiles its kernels on a "
+       "thread pool before the first warmup (capture_s differs)"),
     # latency
     _f("ms_per_token_p50", "latency", "median decode-step time (CUDA events on a GPU, after a warm generate; the "
        "first measure.skip_steps steps of each repeat dropped; serving: every step, whatever its batch)", _S, _A),
@@ -214,6 +232,17 @@ def ok_record(values: dict) -> dict:
     if missing or extra:
         raise SchemaError(f"results do not match moecg.schema: missing {missing}, unknown {extra}")
     return {n: values[n] for n in NAMES}
+
+
+def axes_from_config(config: Mapping) -> dict:
+    """Every sweep axis read from a (resolved, plain) config: what a failed job's record carries."""
+    def get(key):
+        node = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        return node
+
+    return {f.name: next((v for v in map(get, f.config) if v is not None), None) for f in FIELDS if f.axis}
 
 
 def failed_record(error: str, phase: str, traceback: str, config: dict, axes: dict) -> dict:

@@ -13,20 +13,17 @@ import csv
 import json
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
-from moecg.plan import PlanError, _bool, _float, _int
+from moecg.config.readers import PlanError, as_bool, as_float, as_int, plain
+from moecg.config.workload import WORKLOADS
+from moecg.quality import heldout_prompts
 
-NAMES = ("fixed", "poisson", "trace")
-KEYS = {  # the keys each workload reads (its YAML file's); anything else is refused
-    "fixed": ("name",),
-    "poisson": ("name", "rate", "n_requests", "prompt_len", "output_len", "max_batch", "prefill_tokens", "seed",
-                "anchor"),
-    "trace": ("name", "file", "max_batch", "prefill_tokens", "seed", "anchor"),
-}
+NAMES = tuple(WORKLOADS)  # fixed | poisson | trace
+KEYS = {n: tuple(f.name for f in fields(cls)) for n, cls in WORKLOADS.items()}  # what each reads; others are refused
 TRACE_FIELDS = ("arrival_s", "prompt_len", "output_len")
 SAMPLE_TRACE = Path(__file__).resolve().parent / "data" / "sample_trace.jsonl"
 _EXAMPLE = '{"arrival_s": 0.25, "prompt_len": 32, "output_len": 16}'
@@ -82,44 +79,39 @@ def workload_name(w) -> str:
     return name
 
 
-def _plain(w) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(w, resolve=True) if OmegaConf.is_config(w) else dict(w)
-
-
 def resolve_workload(w, *, vocab: int, prompts_kind: str, max_cache_len, max_positions: int | None,
                      default_seed: int) -> tuple[WorkloadPlan, int | None]:
     """The workload config -> (plan, KV cache slots per row). `max_cache_len` None: the longest request's
     prompt_len + output_len. A fixed workload returns (FIXED, max_cache_len) untouched."""
     name = workload_name(w)
+    d = plain(w)
     if name == "fixed":
-        extra = [k for k in (_plain(w) if w is not None else {}) if k not in KEYS["fixed"]]
+        extra = [k for k in d if k not in KEYS["fixed"]]
         if extra:
             raise PlanError(f"workload.{extra[0]} does not apply to workload=fixed (it reads batch_size, prompt_len, "
                             "new_tokens): drop it, or pick workload=poisson or workload=trace")
         return FIXED, max_cache_len
-    d = _plain(w)
     unknown = [k for k in d if k not in KEYS[name]]
     if unknown:
         raise PlanError(f"workload.{unknown[0]}: not a key of workload={name} (its keys: "
                         f"{', '.join(k for k in KEYS[name] if k != 'name')}): fix the spelling or drop it")
-    seed = default_seed if d.get("seed") is None else _int(d["seed"], "workload.seed", None, 0)
-    max_batch = _int(d.get("max_batch"), "workload.max_batch", 1, 8)
-    prefill_tokens = _int(d.get("prefill_tokens", 8192), "workload.prefill_tokens", 0, 8192)
-    anchor = _bool(d.get("anchor", False), "workload.anchor")
+    c = WORKLOADS[name](**d)  # a key left out takes the workload's default
+    seed = default_seed if c.seed is None else as_int(c.seed, "workload.seed", None, 0)
+    max_batch = as_int(c.max_batch, "workload.max_batch", 1, 8)
+    prefill_tokens = as_int(c.prefill_tokens, "workload.prefill_tokens", 0, 8192)
+    anchor = as_bool(c.anchor, "workload.anchor")
     if prompts_kind == "file":
         raise PlanError(f"prompts=file gives fixed-length rows; workload={name} draws each request's prompt: use "
                         "prompts=random (or heldout on byte-level models)")
     rate = file = None
     if name == "poisson":
-        rate = _float(d.get("rate"), "workload.rate", 0.0, strict=True, example=4.0)
-        n = _int(d.get("n_requests"), "workload.n_requests", 1, 32)
-        requests = poisson_requests(rate, n, d.get("prompt_len"), d.get("output_len"), seed)
+        rate = as_float(c.rate, "workload.rate", 0.0, strict=True, example=4.0)
+        n = as_int(c.n_requests, "workload.n_requests", 1, 32)
+        requests = poisson_requests(rate, n, c.prompt_len, c.output_len, seed)
         where = lambda r: "workload.prompt_len/output_len"  # noqa: E731
         shorten = "lower workload.prompt_len/output_len"
     else:
-        given = d.get("file")
+        given = c.file
         path = SAMPLE_TRACE if given in (None, "", "sample") else Path(str(given)).expanduser()
         file = path.name
         requests = read_trace(path, str(given) if given not in (None, "", "sample") else path.name)
@@ -133,7 +125,7 @@ def resolve_workload(w, *, vocab: int, prompts_kind: str, max_cache_len, max_pos
             raise PlanError(f"{where(r)}: prompt_len + output_len = {r.prompt_len + r.output_len} exceeds the model's "
                             f"max_position_embeddings={max_positions}: {shorten}")
     else:
-        cache = _int(max_cache_len, "max_cache_len", 1, need)
+        cache = as_int(max_cache_len, "max_cache_len", 1, need)
         long = [r for r in requests if r.prompt_len + r.output_len > cache]
         if long:
             r = long[0]
@@ -267,8 +259,6 @@ def request_prompt(kind: str, r: Request, seed: int, vocab: int) -> torch.Tensor
         if vocab != 256:
             raise PlanError(f"prompts=heldout gives byte ids, and this model's vocab is {vocab}: use a byte-level "
                             "model (*_stdlib) or prompts=random")
-        from moecg.quality import heldout_prompts
-
         return heldout_prompts(1, r.prompt_len, seed * 100_003 + r.id)[0]
     g = torch.Generator().manual_seed(seed * 100_003 + r.id)
     return torch.randint(0, vocab, (r.prompt_len,), generator=g)  # [S]

@@ -222,6 +222,7 @@ def test_variant_presets_compose_as_model_options():
     from pathlib import Path
 
     import moecg
+    import moecg.config  # noqa: F401  (registers the config groups: model=<preset> for every zoo preset)
 
     assert set(VARIANT_PRESETS) <= set(PRESETS)
     with initialize_config_dir(config_dir=str(Path(moecg.__file__).parent / "conf"), version_base="1.3"):

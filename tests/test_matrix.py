@@ -21,6 +21,9 @@ from hydra import compose, initialize_config_dir
 
 import moecg
 from moecg import fast
+from moecg.capture.plan import KERNELS as KERNEL_PATHS
+from moecg.capture.plan import STRATEGIES as STRATEGY_REGISTRY
+from moecg.dispatch import REGISTRY
 from moecg.dispatch.capacity import capacity
 from moecg.harness import Phases, run_experiment
 from moecg.models.adapter import adapter_for
@@ -29,9 +32,9 @@ from moecg.plan import PlanError, resolve_plan
 
 CONF = str(Path(moecg.__file__).parent / "conf")
 PRESETS = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny", *VARIANT_PRESETS, *FAMILY_PRESETS]
-STRATEGIES = ["eager", "partial", "layer", "full", "capacity", "mixed"]
-DISPATCHES = ["dynamic", "dropless", "fused", "capacity"]
-KERNELS = ["hf", "fused"]
+STRATEGIES = list(STRATEGY_REGISTRY)  # every registered strategy, dispatcher and kernel path
+DISPATCHES = list(REGISTRY)
+KERNELS = list(KERNEL_PATHS)
 BATCH, BUCKET = 3, 4
 CF = 1.0
 # fp32 on CPU: padding 3 rows to 4 changes GEMM blocking, so logits may move in the last bits (never a token here)

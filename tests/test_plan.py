@@ -145,3 +145,98 @@ def test_cli_bad_input_one_line_and_failed_record(tmp_path, override, key):
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["status"] == "failed" and r["phase"] == "plan" and key in r["error"] and "\n" not in r["error"]
     assert not (tmp_path / "wandb").exists()  # nothing half-written beside the record
+
+
+# -- the config groups: registered from the registries, one default each ---------------------------------------------
+def test_every_registered_option_composes_from_the_cli():
+    """Every zoo preset, dispatcher, strategy and workload is a CLI option with no file written for it; a dispatcher's
+    keys and defaults are its own dataclass fields'."""
+    import dataclasses
+
+    from moecg.capture.plan import STRATEGIES
+    from moecg.config import options
+    from moecg.config.workload import WORKLOADS
+    from moecg.dispatch import REGISTRY
+    from moecg.models.zoo import PRESETS
+
+    opts = options()
+    assert set(opts["model"]) == {*PRESETS, "local"} and set(opts["dispatch"]) == set(REGISTRY)
+    assert set(opts["strategy"]) == set(STRATEGIES) and set(opts["workload"]) == set(WORKLOADS)
+    for p in PRESETS:
+        assert _cfg(f"model={p}").model.preset == p
+    assert _cfg("model=gpt_oss_tiny").model.attn_implementation == "eager"  # the family has no sdpa
+    for name, cls in REGISTRY.items():
+        d = _cfg(f"dispatch={name}").dispatch
+        fields = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
+        assert dict(d) == {"name": name, **fields, "prefill": "same"}, name
+    for name, spec in STRATEGIES.items():
+        cfg = _cfg(f"strategy={name}")
+        assert cfg.strategy.name == name and cfg.strategy.layers == spec.layers
+        assert cfg.dispatch.name == (spec.dispatch or "dropless")
+    assert _cfg("strategy=capacity", "dispatch=dropless").dispatch.name == "dropless"  # the CLI still wins
+    for name in WORKLOADS:
+        assert _cfg(f"workload={name}").workload.name == name
+    resolve_plan(_cfg("model=gpt_oss_tiny", "strategy=capacity", "workload=poisson"))
+
+
+def test_no_default_is_stated_twice():
+    """A default lives in its dataclass: conf/ holds no file for a registered group (it would shadow the registered
+    option), the root config only its defaults list and Hydra's settings, and an experiment only values it changes."""
+    import yaml
+
+    from moecg.config import options
+
+    assert not [g for g in options() if (CONF_DIR / g).exists()]
+    root = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
+    assert set(root) == {"defaults", "hydra"}
+
+    def leaves(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and k != "hydra":
+                yield from leaves(v, f"{prefix}{k}.")
+            elif k not in ("hydra", "defaults"):
+                yield f"{prefix}{k}", v
+
+    from omegaconf import OmegaConf
+
+    for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
+        exp = yaml.safe_load(path.read_text())
+        chosen = [f"{k.split('/')[-1]}={v}" for item in exp.get("defaults", []) if isinstance(item, dict)
+                  for k, v in item.items()]
+        base = _cfg(*chosen)  # what the experiment's own group choices give, before its values
+        for key, value in leaves(exp):
+            assert OmegaConf.select(base, key) != value, f"{path.name}: {key}={value!r} is already the default"
+
+
+def test_unknown_keys_are_refused_with_the_nearest_known_one():
+    _refused(r"^batchsize: not a config key \(did you mean batch_size\?\): fix the spelling or drop it", "+batchsize=4")
+    _refused(r"^model\.num_layer: not a key of model \(did you mean model\.num_layers\?\)", "+model.num_layer=2")
+    _refused(r"^capture\.pld: not a key of capture \(did you mean capture\.pdl\?\)", "+capture.pld=1")
+
+
+def test_local_model_without_a_path_names_the_key():
+    _refused(r"model\.preset is null and no model\.pretrained_path: .* model=local model\.pretrained_path=/dir",
+             "model=local")
+
+
+def test_capture_knobs_are_typed_recorded_and_passed_to_capture():
+    from moecg.harness import _capture_kwargs
+
+    _refused(r"capture\.pdl=3: choose one of auto, 0, 1, 2", "capture.pdl=3")
+    _refused(r"capture\.pdl=True: choose one of", "capture.pdl=true")
+    _refused(r"capture\.overlap_shared='maybe': must be true or false", "capture.overlap_shared=maybe")
+    for key in ("overlap_shared", "fuse_router", "precompile"):
+        _refused(rf"capture\.{key}=false only applies with capture\.kernels=fused", f"capture.{key}=false")
+    plan = resolve_plan(_cfg("strategy=full", "capture.kernels=fused", "capture.pdl=1", "capture.fuse_router=false",
+                             "capture.precompile=false"))
+    c = plan.capture
+    assert (c.pdl, c.overlap_shared, c.fuse_router, c.precompile) == (1, True, False, False)
+    assert c.record() == {"pdl": 1, "overlap_shared": True, "fuse_router": False, "precompile": False}
+    assert resolve_plan(_cfg()).capture.record()["pdl"] == "auto"
+    kwargs = _capture_kwargs(plan)
+    assert kwargs["kernels"] == "fused" and kwargs["buckets"] == plan.capture.buckets
+    import inspect
+
+    from moecg.capture import Capture
+
+    assert set(kwargs) <= set(inspect.signature(Capture).parameters)

@@ -25,6 +25,28 @@ def test_every_consumer_reads_the_schema():
     assert len(set(schema.NAMES)) == len(schema.NAMES)
 
 
+def test_axes_and_percentiles_are_read_from_the_schema():
+    """Failed jobs' axes come from the config keys each axis names (run.py and analysis.py both), and every such key
+    exists in the composed config; per-request latencies are recorded at schema.PERCENTILES."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import moecg
+    from moecg import serving
+
+    axes = [f for f in schema.FIELDS if f.axis]
+    assert axes and all(f.config for f in axes)
+    with initialize_config_dir(config_dir=str(Path(moecg.__file__).parent / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["workload=poisson", "dispatch=capacity"])  # every axis applies
+    for f in axes:
+        assert OmegaConf.select(cfg, f.config[0], default="<absent>") != "<absent>", f
+    got = schema.axes_from_config(OmegaConf.to_container(cfg))
+    assert (got["workload"], got["dispatch"], got["capacity_factor"], got["workload_rate"]) == \
+        ("poisson", "capacity", 1.25, 4.0)
+    assert {"ttft_ms_p99", "anchor_e2e_ms_p90"} <= set(schema.NAMES)
+    assert tuple(serving.PCTS) == schema.PERCENTILES  # serving's own copy, until it reads schema.PERCENTILES
+
+
 def test_records_must_match_the_schema():
     full = {n: None for n in schema.NAMES}
     assert list(schema.ok_record(full)) == list(schema.NAMES)

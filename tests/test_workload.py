@@ -144,7 +144,7 @@ def test_bad_workload_keys_refused(overrides, match):
 
 def test_fused_step_serves_and_latent_attention_is_refused():
     plan = _plan("workload=poisson", "strategy=full", "capture.kernels=fused", "dispatch=fused")
-    assert plan.kernels == "fused" and plan.serving
+    assert plan.capture.kernels == "fused" and plan.serving
     _refused(r"capture\.kernels=fused", "workload=poisson", "model=deepseek_v3_tiny", "strategy=full",
              "capture.kernels=fused", "dispatch=fused")
 
@@ -161,9 +161,11 @@ def test_fixed_workload_results_unchanged(case):
     res = run_experiment(_cfg(*golden[case]["overrides"]))
     assert res["workload"] == "fixed" and all(res[f] is None for f in schema.SERVING)
     new = set(schema.NAMES) - set(want) - set(golden["volatile"])
-    ep_fields = {"ep", "ep_backend", "exchange_floor_ms", "nvlink_bandwidth_gbps"}  # expert parallelism (issue 15)
-    assert new == {"workload", *schema.SERVING, *ep_fields, "prefill_chunk", "attn_implementation"}, \
-        "a field was added outside the serving and EP groups, prefill_chunk and attn_implementation (issue 14)"
+    ep_fields = {"ep", "ep_backend", "exchange_floor_ms", "nvlink_bandwidth_gbps"}  # expert parallelism
+    knobs = {"pdl", "overlap_shared", "fuse_router", "precompile"}  # capture.*, recorded since they became config
+    assert new == {"workload", *schema.SERVING, *ep_fields, "prefill_chunk", "attn_implementation", *knobs}, \
+        "a field was added outside the serving and EP groups, prefill_chunk, attn_implementation and the capture knobs"
+    assert (res["pdl"], res["overlap_shared"], res["fuse_router"], res["precompile"]) == ("auto", True, True, True)
     assert res["attn_implementation"] == "sdpa"
     assert res["ep"] == 1 and all(res[f] is None for f in ep_fields - {"ep"})  # one process: today's path
     assert res["prefill_chunk"] is None  # one prefill forward: today's path

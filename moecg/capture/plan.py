@@ -19,6 +19,8 @@ class StrategySpec:
     scope: str  # step | layer | attn | eager | mixed
     requires: str | None  # a dispatcher capability this strategy needs (a class variable of Dispatcher), if any
     doc: str
+    dispatch: str | None = None  # the dispatcher `strategy=<name>` selects on the CLI (dispatch=<name> still overrides)
+    layers: str | None = None  # the CLI's default strategy.layers (mixed: scopes for the 2-layer tiny presets)
 
 
 STRATEGIES = {
@@ -26,9 +28,10 @@ STRATEGIES = {
     "full": StrategySpec("full", "step", None, "whole decode step (embedding to argmax) as one graph per bucket"),
     "partial": StrategySpec("partial", "attn", None, "per layer: attention captured, MoE FFN eager (any dispatch)"),
     "capacity": StrategySpec("capacity", "step", "drops",
-                             "whole step captured with capacity-padded experts (dispatch=capacity)"),
+                             "whole step captured with capacity-padded experts (dispatch=capacity)", dispatch="capacity"),
     "layer": StrategySpec("layer", "layer", None, "one graph per decoder layer (attention + MoE)"),
-    "mixed": StrategySpec("mixed", "mixed", None, "per-layer scopes from strategy.layers, e.g. '0-11:layer,12-23:attn'"),
+    "mixed": StrategySpec("mixed", "mixed", None, "per-layer scopes from strategy.layers, e.g. '0-11:layer,12-23:attn'",
+                          layers="0-0:layer,1-1:attn"),
 }
 
 NOT_GRAPH_SAFE = ("dispatch={d} is not graph-safe: use dispatch=dropless, dispatch=capacity, or strategy=partial")
