@@ -4,8 +4,8 @@
       --out experiments/results/step_variants/variants_qwen3.md --json .../variants_qwen3.json
 
 Variants (names: `+`-joined switches on top of `base`):
-  base     every Triton kernel launched plainly (triton_ops.PDL 0), the shared expert on the main stream
-           (FastDecode.overlap_shared False), add_rmsnorm + router GEMM + router kernel (FastDecode.fuse_router
+  base     every Triton kernel launched plainly (capture.pdl 0), the shared expert on the main stream
+           (capture.overlap_shared false), add_rmsnorm + router GEMM + router kernel (capture.fuse_router
            False), the MoE kernels on a grid of one program per expert, no split-K, every
            projection on cuBLAS (tiles.GEMV_RULES empty)
   slot     the MoE kernels on a grid of one program per assignment when assignments < experts (grid="auto")
@@ -15,7 +15,7 @@ Variants (names: `+`-joined switches on top of `base`):
   gemv     the qkv and o projections on the Triton GEMV where moecg.kernels.tiles.GEMV_RULES say (else cuBLAS);
            gemv1: the same, the GEMV not triggering its successor early (GemvTiles.pdl_trigger False)
   pdl      programmatic dependent launch for every Triton kernel of the step, each triggering its successor's
-           launch at its start (triton_ops.PDL mode 2); pdl1: each only waits (mode 1: the successor launches as
+           launch at its start (capture.pdl 2); pdl1: each only waits (mode 1: the successor launches as
            its blocks exit)
   nw=N     add_rmsnorm with N warps (moecg.kernels.tiles.norm_warps)
   mb=N     the split attention's merge loading N splits' partial outputs at a time (triton_ops.attn_merge_block)
@@ -40,7 +40,6 @@ import torch
 from moecg.capture import Capture
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
-from moecg.fast import FastDecode
 from moecg.floor import step_floor_ms
 from moecg.kernels import tiles as tiles_mod, triton_ops
 from moecg.models import build_model
@@ -80,9 +79,6 @@ GEMV_RULES, NORM_WARPS = tiles_mod.GEMV_RULES, tiles_mod.norm_warps
 
 def set_variant(v: dict) -> None:
     moe, tiles_of = MOE_EXPERTS, MOE_TILES
-    triton_ops.PDL = v["pdl"]
-    FastDecode.overlap_shared = v["overlap"]
-    FastDecode.fuse_router = v["router"]
     tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
     tiles_mod.GEMV_RULES = (GEMV_RULES if v["gemv"] else ()) if not v["gemv1"] else tuple(  # (): all cuBLAS
         dataclasses.replace(r, tiles=dataclasses.replace(r.tiles, pdl_trigger=False)) for r in GEMV_RULES)
@@ -104,11 +100,13 @@ def set_variant(v: dict) -> None:
     triton_ops.attn_decode = attn_decode if ("as" in v or "mb" in v) else ATTN_DECODE
 
 
-def time_variant(model, adapter, bs, prompts, cache_len, replays, repeats, bandwidth, profile_it, prefill_chunk=None):
+def time_variant(v, model, adapter, bs, prompts, cache_len, replays, repeats, bandwidth, profile_it,
+                 prefill_chunk=None):
     attach(model, make_dispatcher("fused"), max_rows=bs)
     try:
         eng = DecodeEngine(model, cache_len, bs, prefill_chunk=prefill_chunk)
-        cap = Capture(eng, "full", buckets=(bs,), kernels="fused").apply()
+        cap = Capture(eng, "full", buckets=(bs,), kernels="fused", pdl=v["pdl"], overlap_shared=v["overlap"],
+                      fuse_router=v["router"]).apply()
         eng.generate(prompts, 4, timing=False)  # cache filled to prompt + 4
         with eng.scratch():
             _, logits = eng.step_impl(eng.ids, bs)
@@ -163,7 +161,7 @@ def main(argv=None):
         for name, v in variants.items():
             set_variant(v)
             try:
-                ms, logits, floor, table = time_variant(model, built.adapter, bs, prompts, args.cache_len,
+                ms, logits, floor, table = time_variant(v, model, built.adapter, bs, prompts, args.cache_len,
                                                         args.replays, args.repeats, args.bandwidth_gbps,
                                                         name in args.profile, args.prefill_chunk)
             except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers

@@ -11,7 +11,7 @@ GEMM (CUDA context and cuBLAS set up outside the timing), then times what experi
 times: `Capture(engine, ...)` + `.apply()`, every bucket largest first, split as
   setup       Capture(): the strategy's checks and, for capture.kernels=fused, FastDecode (weights concatenated)
   precompile  kernels=fused on Triton: every bucket's step run dry, then each distinct kernel specialisation compiled
-              on a thread pool (Capture.precompile; --no-precompile: none, the first warmups compile)
+              on a thread pool (Capture(precompile=...); --no-precompile: none, the first warmups compile)
   first warm  each bucket's first warmup call: the step's first run at that shape, Triton's JIT compiles included
   jit (est.)  first warm minus the bucket's later warmup calls' mean: what the first call cost beyond a step
               (with capture.warmup 1 there is no later call, so it is the whole first warmup)
@@ -91,9 +91,8 @@ def measure(args) -> dict:
         per_bucket: list[dict] = []
         t0 = time.perf_counter()
         cap = Capture(engine, args.strategy, buckets=buckets, backend=backend, warmup=args.warmup,
-                      kernels=args.kernels)
+                      kernels=args.kernels, precompile=not args.no_precompile)
         setup_s = time.perf_counter() - t0
-        cap.precompile = not args.no_precompile
         if cap.runner is None:
             raise SystemExit(f"capture backend {backend} captures nothing on {dev.type}: use --backend emulate")
         _timed_backend(cap.runner.backend, per_bucket, sync)
@@ -116,8 +115,7 @@ def measure(args) -> dict:
             del cap
             t2 = time.perf_counter()
             cap2 = Capture(engine, args.strategy, buckets=buckets, backend=backend, warmup=args.warmup,
-                           kernels=args.kernels)
-            cap2.precompile = not args.no_precompile
+                           kernels=args.kernels, precompile=not args.no_precompile)
             cap2.apply()
             sync()
             recapture_s = time.perf_counter() - t2

@@ -1,4 +1,4 @@
-"""The anchor: transformers' own continuous batching on the same requests, in the same process (issue 12).
+"""The anchor: transformers' own continuous batching on the same requests, in the same process.
 
 transformers 5.24's `model.generate_batch` wraps `init_continuous_batching`: a paged KV cache, a FIFO scheduler
 that mixes prefill chunks with decode steps, optional CUDA graphs, all in a background thread. generate_batch

@@ -17,7 +17,6 @@ job's: counters summed over ranks, step times the slowest rank's, fidelity over 
 """
 from __future__ import annotations
 
-import inspect
 import resource
 import statistics
 import sys
@@ -135,13 +134,9 @@ def _build(plan: RunPlan, phases: Phases, group: EPGroup | None = None):
 def _capture_kwargs(plan: RunPlan) -> dict:
     """Capture's keyword arguments from the plan's capture group (pdl None: auto)."""
     c = plan.capture
-    kwargs = {"buckets": c.buckets, "backend": c.backend, "warmup": c.warmup, "compile": c.compile,
+    return {"buckets": c.buckets, "backend": c.backend, "warmup": c.warmup, "compile": c.compile,
               "compile_mode": c.compile_mode, "kernels": c.kernels, "kernel_backend": c.kernel_backend,
-              "pdl": c.pdl, "overlap_shared": c.overlap_shared, "fuse_router": c.fuse_router, "precompile": c.precompile}
-    # transitional: only the keywords Capture takes; this filter goes once Capture takes pdl, overlap_shared,
-    # fuse_router and precompile
-    takes = inspect.signature(Capture).parameters
-    return {k: v for k, v in kwargs.items() if k in takes}
+            "pdl": c.pdl, "overlap_shared": c.overlap_shared, "fuse_router": c.fuse_router, "precompile": c.precompile}
 
 
 def _capture(engine, plan: RunPlan, rows: int, phases: Phases) -> Capture:

@@ -1,4 +1,4 @@
-"""Ragged decode (issue 12, deliverable 1, HF-module paths): every row of the decode batch has its own length.
+"""Ragged decode (HF-module paths): every row of the decode batch has its own length.
 
 Dims: B rows run (a bucket, >= m), m live rows, B_max slots, S prompt tokens, L cache slots, H kv heads, Dh head dim.
 

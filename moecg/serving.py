@@ -1,4 +1,4 @@
-"""Serving (issue 12): a workload's requests replayed in real time on a RaggedEngine, and what it measured.
+"""Serving: a workload's requests replayed in real time on a RaggedEngine, and what it measured.
 
 Dims: B rows a step runs (its bucket), m live requests, B_max slots, S prompt tokens, L cache slots.
 
@@ -25,6 +25,7 @@ import torch
 from moecg.dispatch import state_of
 from moecg.ragged import RaggedEngine
 from moecg.report import percentile
+from moecg.schema import PERCENTILES
 
 
 # -- time -------------------------------------------------------------------------------------------------------
@@ -252,12 +253,11 @@ def decode_alone(model, requests, prompts, max_cache_len: int) -> dict:
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------
-PCTS = (50, 90, 99)
 
 
 def _pcts(name: str, xs) -> dict:
     xs = [x for x in xs if x is not None]
-    return {f"{name}_p{p}": (percentile(xs, p / 100) if xs else None) for p in PCTS}
+    return {f"{name}_p{p}": (percentile(xs, p / 100) if xs else None) for p in PERCENTILES}
 
 
 def request_metrics(requests: list[RequestTimes], start_s: float = 0.0) -> dict:

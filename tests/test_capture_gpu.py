@@ -140,7 +140,7 @@ def test_counters_advance_on_replay(built):
 @pytest.mark.parametrize("kernels", ["hf", "fused"])
 @pytest.mark.parametrize("batch", [3, 5, 13])
 def test_capacity_at_a_non_bucket_batch_drops_as_eager(built, batch, kernels):
-    """Issue 11: the drop threshold is the real batch's capacity, so a captured bucket drops what eager drops."""
+    """The drop threshold is the real batch's capacity, so a captured bucket drops what eager drops."""
     model = built.model
     drops = {}
     for strategy in ("eager", "capacity"):

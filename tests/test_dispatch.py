@@ -241,7 +241,7 @@ def test_pad_rows_take_no_capacity_and_are_not_counted(name, kw):
 
 @pytest.mark.parametrize("name,kw", DISPATCHERS, ids=D_IDS)
 def test_capacity_threshold_is_the_real_batch_not_the_bucket(name, kw):
-    """Issue 11 defect 1: C was computed from the padded row count, so a bucket dropped less than the batch."""
+    """A past defect: C was computed from the padded row count, so a bucket dropped less than the batch."""
     if name != "capacity":
         pytest.skip("capacity only")
     E, K = 8, 2

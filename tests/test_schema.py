@@ -32,7 +32,6 @@ def test_axes_and_percentiles_are_read_from_the_schema():
     from omegaconf import OmegaConf
 
     import moecg
-    from moecg import serving
 
     axes = [f for f in schema.FIELDS if f.axis]
     assert axes and all(f.config for f in axes)
@@ -44,7 +43,7 @@ def test_axes_and_percentiles_are_read_from_the_schema():
     assert (got["workload"], got["dispatch"], got["capacity_factor"], got["workload_rate"]) == \
         ("poisson", "capacity", 1.25, 4.0)
     assert {"ttft_ms_p99", "anchor_e2e_ms_p90"} <= set(schema.NAMES)
-    assert tuple(serving.PCTS) == schema.PERCENTILES  # serving's own copy, until it reads schema.PERCENTILES
+
 
 
 def test_records_must_match_the_schema():

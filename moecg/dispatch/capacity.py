@@ -33,10 +33,10 @@ class Capacity(Dispatcher, TritonPath):
     drops = True
     reads_all_experts = True  # the padded GEMM, and the kernels too: every expert's weights once per call
     fused_unreduced = True
-    capacity_factor: float = 1.25
-    drop_policy: str = "probs"
+    capacity_factor: float = 1.25  # C = ceil(T*K*cf/E), clamped to [min_capacity, T]
+    drop_policy: str = "probs"  # probs: keep each expert's highest-probability tokens | position: earliest first
     min_capacity: int = 1
-    renormalize: bool = False
+    renormalize: bool = False  # rescale surviving top-k weights to the token's original sum
 
     def __post_init__(self):
         super().__post_init__()  # kernels, max_assignments
