@@ -232,10 +232,13 @@ def test_pdl_set_for_the_fused_step_only(monkeypatch):
         cap = Capture(eng, "full", buckets=(1, 2), backend="emulate", kernels="fused", pdl=0)
         cap.fast.ops, cap.fast.backend = triton_ops, "triton"
         launched = []
-        monkeypatch.setattr(triton_ops, "_build", lambda *a: None)
-        real_launch = triton_ops._launch
-        monkeypatch.setattr(triton_ops, "_launch", lambda k, g, *a, **kw: (launched.append(triton_ops.PDL),
-                                                                             real_launch(k, g, *a, **kw)))
+        from moecg.kernels import launch
+
+        monkeypatch.setattr(launch, "_build", lambda *a: None)
+        real_launch = launch.launch
+        for mod in triton_ops.MODULES:  # every kernel module's launches
+            monkeypatch.setattr(mod, "launch", lambda k, g, *a, **kw: (launched.append(launch.PDL),
+                                                                       real_launch(k, g, *a, **kw)))
         cap.decode_forward = cap.fast  # as apply() sets it, without capturing
         eng.set_policy(cap)
         cap._precompile([2, 1])
