@@ -59,6 +59,7 @@ def attach(model, dispatcher: Dispatcher, max_rows: int = 64) -> DispatchState:
         experts._moecg_state = state
         experts._moecg_slot = slot
     model._moecg_dispatch_prev = getattr(model, "_moecg_dispatch_prev", model.config._experts_implementation)
+    register_experts_impl(dispatcher.name)  # idempotent: also a dispatcher registered after this package loaded
     model.set_experts_implementation(impl_name(dispatcher.name))
     model._moecg_state = state
     return state
