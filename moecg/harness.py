@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
+from moecg.anchor import serve_hf, token_agreement
 from moecg.capture import Capture
 from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.engine import DecodeEngine
@@ -34,8 +35,11 @@ from moecg.floor import exchange_floor_ms, step_floor_ms
 from moecg.models import build_model
 from moecg.parallel import EPGroup, parallelize, shard_experts
 from moecg.plan import RunPlan, resolve_plan
+from moecg.quality import heldout_bpb
+from moecg.ragged import RaggedEngine
 from moecg.report import env_fields, percentile
 from moecg.schema import NAMES, PERCENTILES, SERVING, ok_record
+from moecg.serving import decode_alone, request_metrics, serve, step_metrics, warm
 
 NOISY_SPREAD = 1.5  # p90/p50 above this: the steps were not steady (a busy machine, or a coarse clock)
 
@@ -294,9 +298,6 @@ def _run(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
 
 def _serve(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
     """A serving workload on RaggedEngine (module docstring): one pass over the requests, in real time."""
-    from moecg.anchor import serve_hf, token_agreement
-    from moecg.ragged import RaggedEngine
-    from moecg.serving import decode_alone, request_metrics, serve, step_metrics, warm
 
     m, wl, dispatcher = plan.measure, plan.workload, plan.dispatcher
     reqs, prompts = list(wl.requests), list(wl.prompts)
@@ -369,7 +370,6 @@ def _quality(n: int, model, dispatcher, par=lambda d: d) -> dict:
     """Held-out bits-per-byte under the run's dispatch and its delta vs dropless (byte-level models only).
 
     With expert parallelism every rank scores the same windows (so the all-to-alls pair up) and gets the same number."""
-    from moecg.quality import heldout_bpb
 
     state_of(model).n_rows = None  # teacher-forced windows: every row is real
     bpb = heldout_bpb(model, max_bytes=n)

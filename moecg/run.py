@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import moecg.config  # noqa: F401  (registers the config groups before Hydra composes)
 from moecg.callbacks import one_line
+from moecg.harness import Phases, plan_of, run_experiment
 from moecg.logger import NullLogger, make_logger
 from moecg.parallel.job import RankJob
 from moecg.schema import SERVING, SUMMARY, axes_from_config, failed_record
@@ -95,8 +96,6 @@ def _run_with_progress(cfg, job: RankJob | None = None) -> dict:
     import os
 
     from rich.progress import Progress
-
-    from moecg.harness import Phases, plan_of, run_experiment
 
     job = job or RankJob(Path("."))
     quiet = None if job.leads else open(os.devnull, "w")  # noqa: SIM115 - the other ranks' phases: rank 0 speaks
