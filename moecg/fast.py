@@ -17,8 +17,9 @@ large kernels, each with a pure-PyTorch reference (`moecg.kernels.ref`) and a Tr
 Families (FUSED_ROUTER_KINDS x FUSED_FEATURES, checked by FamilyAdapter.check_supported): Mixtral, Qwen2/3-MoE,
 GLM-4-MoE (sigmoid_group router: its fp32 GEMM runs apart from the shared expert's; partial rotary; q/k/v bias),
 OLMoE (q/k norm over the whole projection, clip_qkv), GPT-OSS (router bias, topk_softmax, attention sinks,
-sliding/full layers, biased transposed interleaved clamped-SwiGLU experts, RMSNorm that casts last). DeepSeek's
-latent attention (MLA) is refused.
+sliding/full layers, biased transposed interleaved clamped-SwiGLU experts, RMSNorm that casts last), DeepSeek-V2/V3
+(multi-head latent attention in its absorbed form, moecg.latent: the cache holds the latent and the rotary key;
+softmax_group / sigmoid_group routers, dense first layers, shared experts).
 It reads the HF model's own parameters and edits none of them (its `.data`, its forward, its state_dict stay
 as they were). To make the qkv and router/shared-expert GEMMs one GEMM each it builds, once, its own concatenated
 copies of those weights (as gpt-fast builds `wqkv` at load time); a lone weight that needs no padding (a router
@@ -42,6 +43,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from moecg import latent
 from moecg.dispatch import state_of
 from moecg.kernels import get_ops, ref
 # what the fused step runs is declared beside the family facts (models/adapter.py), which never import this module
@@ -61,7 +63,7 @@ class _Layer:
     in_eps: float
     post_w: torch.Tensor
     post_eps: float
-    wqkv: torch.Tensor  # [(Hq+2Hkv)*Dh, D] a copy of the HF q/k/v weights, concatenated
+    wqkv: torch.Tensor | None  # [(Hq+2Hkv)*Dh, D] a copy of the HF q/k/v weights, concatenated (None: MLA)
     bqkv: torch.Tensor | None
     wo: torch.Tensor
     bo: torch.Tensor | None
@@ -94,6 +96,7 @@ class _Layer:
     shared_gate_col: int | None = None
     w_sdown: torch.Tensor | None = None  # [D, Is] shared expert's (or the dense MLP's) down projection
     norm_route: bool = False  # the router is wcat alone (softmax_topk, no bias, no shared expert): ops.norm_route
+    mla: latent.LatentAttention | None = None  # multi-head latent attention's weights (wqkv, q/k norms unused)
 
 
 def _fuse(params: list[torch.Tensor], align: int = 1) -> tuple[torch.Tensor, int]:
@@ -210,35 +213,53 @@ class FastDecode:
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         windows = ad.attention_windows(cfg)  # per layer, 0 = full: as the family's HF modeling code masks
         self.layers: list[_Layer] = []
+        self.mla_layout = ad.mla_rope_layout(cfg) if ad.attention == "mla" else None
         for i, layer in enumerate(ad.layers(model)):
             at = getattr(layer, ad.attn)
-            qkv, bias = ad.qkv_of(at)
-            n_q = qkv[0].shape[0] // at.head_dim
-            n_kv = qkv[1].shape[0] // at.head_dim
-            o_proj = ad.o_of(at)
-            q_norm = at.q_norm.weight if getattr(at, "q_norm", None) is not None else None
-            k_norm = at.k_norm.weight if getattr(at, "k_norm", None) is not None else None
-            if q_norm is not None and (q_norm.numel(), k_norm.numel()) not in ((at.head_dim, at.head_dim),
-                                                                               (n_q * at.head_dim, n_kv * at.head_dim)):
-                raise FastPathError(f"layer {i}: q/k norms of {q_norm.numel()} / {k_norm.numel()} elements are neither "
-                                    f"per head ({at.head_dim}) nor over the whole projection; use capture.kernels=hf")
-            L = _Layer(
-                in_w=getattr(layer, ad.input_norm).weight, in_eps=_eps(getattr(layer, ad.input_norm)),
-                post_w=getattr(layer, ad.post_norm).weight, post_eps=_eps(getattr(layer, ad.post_norm)),
-                wqkv=self._fuse(qkv),
-                bqkv=self._fuse(bias) if all(b is not None for b in bias) else None,
-                wo=o_proj.weight, bo=o_proj.bias, n_q=n_q, n_kv=n_kv, head_dim=at.head_dim,
-                scaling=float(at.scaling), window=windows[i], q_norm=q_norm, k_norm=k_norm,
-                qk_eps=_eps(at.q_norm) if q_norm is not None else 1e-6,
-                sinks=at.sinks if "attention_sinks" in features else None,
-                clip=float(clip) if clip is not None else None,
-            )
+            if self.mla_layout is not None:
+                L = self._latent_layer(layer, ad, at)
+            else:
+                L = self._standard_layer(i, layer, ad, at, features, windows, clip)
             block = ad.moe_block(layer)
             if block is None:
                 self._dense(L, ad, getattr(layer, ad.moe))
             else:
                 self._moe(L, ad, block, layer)
             self.layers.append(L)
+
+    def _latent_layer(self, layer, ad, at) -> _Layer:
+        A = latent.build(at, self.mla_layout, self._fuse)
+        if A.ba is not None:
+            self.owned_bytes += A.ba.numel() * A.ba.element_size()
+        o_proj = ad.o_of(at)
+        return _Layer(
+            in_w=getattr(layer, ad.input_norm).weight, in_eps=_eps(getattr(layer, ad.input_norm)),
+            post_w=getattr(layer, ad.post_norm).weight, post_eps=_eps(getattr(layer, ad.post_norm)),
+            wqkv=None, bqkv=A.ba, wo=o_proj.weight, bo=o_proj.bias, n_q=A.n_heads, n_kv=1,
+            head_dim=A.nope + A.rope, scaling=A.scaling, window=0, q_norm=None, k_norm=None, qk_eps=1e-6, mla=A)
+
+    def _standard_layer(self, i, layer, ad, at, features, windows, clip) -> _Layer:
+        qkv, bias = ad.qkv_of(at)
+        n_q = qkv[0].shape[0] // at.head_dim
+        n_kv = qkv[1].shape[0] // at.head_dim
+        o_proj = ad.o_of(at)
+        q_norm = at.q_norm.weight if getattr(at, "q_norm", None) is not None else None
+        k_norm = at.k_norm.weight if getattr(at, "k_norm", None) is not None else None
+        if q_norm is not None and (q_norm.numel(), k_norm.numel()) not in ((at.head_dim, at.head_dim),
+                                                                           (n_q * at.head_dim, n_kv * at.head_dim)):
+            raise FastPathError(f"layer {i}: q/k norms of {q_norm.numel()} / {k_norm.numel()} elements are neither "
+                                f"per head ({at.head_dim}) nor over the whole projection; use capture.kernels=hf")
+        return _Layer(
+            in_w=getattr(layer, ad.input_norm).weight, in_eps=_eps(getattr(layer, ad.input_norm)),
+            post_w=getattr(layer, ad.post_norm).weight, post_eps=_eps(getattr(layer, ad.post_norm)),
+            wqkv=self._fuse(qkv),
+            bqkv=self._fuse(bias) if all(b is not None for b in bias) else None,
+            wo=o_proj.weight, bo=o_proj.bias, n_q=n_q, n_kv=n_kv, head_dim=at.head_dim,
+            scaling=float(at.scaling), window=windows[i], q_norm=q_norm, k_norm=k_norm,
+            qk_eps=_eps(at.q_norm) if q_norm is not None else 1e-6,
+            sinks=at.sinks if "attention_sinks" in features else None,
+            clip=float(clip) if clip is not None else None,
+        )
 
     def _dense(self, L: _Layer, ad, mlp) -> None:
         """A dense MLP: gate/up as one GEMM when its projections are plain bias-free linears, else its own forward."""
@@ -330,6 +351,8 @@ class FastDecode:
         if odd:  # host-side check only (no sync); a captured step runs it at capture time
             raise FastPathError(f"FastDecode needs a linear KV cache (slot = position, {length} slots in every "
                                 f"layer), e.g. moecg.engine.RowCache; layers {odd} are sliding/ring buffers")
+        if length not in self._tables and self.mla_layout is not None:
+            self._tables[length] = latent.rope_tables(self.rotary, length, self.dtype, self.device)  # [L, R/2] each
         if length not in self._tables:
             x = torch.zeros(1, 1, dtype=self.dtype, device=self.device)
             pos = torch.arange(length, device=self.device)[None]
@@ -354,6 +377,8 @@ class FastDecode:
                                            s.scaling)
         if s.kind == "topk_softmax":
             return ops.route_topk_softmax(logits, s.top_k)
+        if s.kind == "softmax_group":
+            return ops.route_softmax_group(logits, s.top_k, s.n_group, s.topk_group, s.scaling)
         route = ops.route if (s.top_k & (s.top_k - 1)) == 0 else ref.route  # the Triton kernel: power-of-two k
         return route(logits, s.top_k, s.normalize, L.route_dtype)
 
@@ -397,11 +422,14 @@ class FastDecode:
         for i, L in enumerate(self.layers):
             if self.on_layer is not None:  # set by Capture while capturing, so a failure names its layer
                 self.on_layer(i)
-            qkv = ops.linear(h, L.wqkv, L.bqkv)  # [T, (Hq+2Hkv)*Dh]
-            q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
-                               L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
-            o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
-                                sinks=L.sinks, eager=self.eager_attn)  # [T, Hq*Dh]
+            if L.mla is not None:  # keys/values: the latent [.., C] and the rotary key [.., R]
+                o = latent.attend(ops, L.mla, h, pos, cos, sin, clayers[i].keys, clayers[i].values)  # [T, H*Dv]
+            else:
+                qkv = ops.linear(h, L.wqkv, L.bqkv)  # [T, (Hq+2Hkv)*Dh]
+                q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
+                                   L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
+                o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
+                                    sinks=L.sinks, eager=self.eager_attn)  # [T, Hq*Dh]
             a = ops.linear(o, L.wo, L.bo)  # [T, D]
             if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel
                 res, h, idx, w = ops.norm_route(a, res, L.post_w, L.post_eps, L.wcat[: L.n_experts], L.top_k,

@@ -229,7 +229,7 @@ def _check_family(model: ModelPlan, kernels: str, step_graph: bool) -> None:
 
 def _check_ragged(model: ModelPlan, compile_: bool, workload: str) -> None:
     """What serving (moecg.ragged.RaggedEngine: a length per row) runs, in one place. capture.kernels=fused runs
-    (FastDecode reads each row's position; the MLA families are refused by the fused-path audit, as everywhere)."""
+    (FastDecode reads each row's position, in standard and latent attention alike)."""
     if compile_:
         raise PlanError(f"capture.compile=true with workload={workload}: the ragged decode step is not compiled "
                         "(untested); drop capture.compile")

@@ -320,12 +320,13 @@ def test_skewed_router_mirrors_hf_router(fam):
 
 # -- refusals ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["deepseek_v3_tiny", "deepseek_v2_tiny"])
-def test_fused_step_refuses_mla(preset):
+def test_fused_step_takes_mla_and_refuses_odd_rotary(preset):
     cfg = make_config(preset)
-    with pytest.raises(UnsupportedConfigError, match=r"\.kv_lora_rank: capture.kernels=fused runs standard attention "
-                                                     r"only.*mla attention.*; use capture.kernels=hf"):
-        adapter_for(cfg).check_supported(cfg, "fused")
+    adapter_for(cfg).check_supported(cfg, "fused")
     adapter_for(cfg).check_supported(cfg, "hf", step_graph=True)
+    cfg.qk_rope_head_dim = 7  # (HF's config validation refuses it too)
+    with pytest.raises(UnsupportedConfigError, match=r"\.qk_rope_head_dim: rotary dims pair up.*even"):
+        adapter_for(cfg).check_supported(cfg, "fused")
 
 
 @pytest.mark.parametrize("preset,ov,field", [

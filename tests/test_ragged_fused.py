@@ -26,7 +26,7 @@ from moecg.ragged import RaggedEngine
 from test_ragged import JOIN, L, NEW, PROMPT_LENS, _run
 
 FUSED_PRESETS = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny", "glm4_moe_tiny", "olmoe_tiny", "gpt_oss_tiny",
-                 "mixtral_tiny_swa", "qwen2_moe_tiny_swa", "qwen3_moe_tiny_swa"]
+                 "deepseek_v3_tiny", "deepseek_v2_tiny", "mixtral_tiny_swa", "qwen2_moe_tiny_swa", "qwen3_moe_tiny_swa"]
 
 
 def _fused(engine, buckets):
@@ -94,18 +94,6 @@ def test_ragged_ops_reference_row_by_row():
         for t in range(T):
             o2 = ref.attn_decode(q1[t:t + 1], k1[t:t + 1], v1[t:t + 1], pos[t], 0.25, window, sinks=sk, eager=eager)
             torch.testing.assert_close(o1[t:t + 1], o2, atol=1e-6, rtol=0)
-
-
-def test_fused_ragged_refused_for_latent_attention():
-    model = build_model("deepseek_v3_tiny", dtype="fp32", device="cpu").model
-    attach(model, make_dispatcher("dropless"), max_rows=2)
-    try:
-        eng = RaggedEngine(model, L, 2)
-        with pytest.raises(FastPathError, match="capture.kernels=fused"):
-            _fused(eng, [1, 2])
-        assert eng.decode_forward is None
-    finally:
-        detach(model)
 
 
 def test_triton_ragged_kernels_under_interpreter():

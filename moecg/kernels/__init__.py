@@ -4,8 +4,8 @@
 both modules expose the same functions (OPS; see ref.py for what each computes and how it rounds).
 Set TRITON_INTERPRET=1 before importing to run the Triton ops on CPU tensors (slow; used by the tests).
 
-Files, by job: ref.py (the references), triton_ops.py (the Triton ops, gathered from norm_rope, attention, routers,
-gemv, moe and capacity), launch.py (PDL, dry run, precompile), tiles.py (tile tables), backend.py (which one runs).
+Files, by job: ref.py (the references), triton_ops.py (the Triton ops, gathered from norm_rope, attention, mla,
+routers, gemv, moe and capacity), launch.py (PDL, dry run, precompile), tiles.py (tile tables), backend.py (which one runs).
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from moecg.kernels.backend import OPS_BACKENDS, interpreting, triton_ok
 __all__ = ["get_ops", "triton_ok", "interpreting", "ref", "OPS", "OPS_BACKENDS"]
 
 # The op functions both backends expose, with the same signatures (a backend may take extra tuning keywords)
-OPS = ("add_rmsnorm", "rope_cache", "attn_decode", "route", "norm_route", "route_sigmoid_group", "route_topk_softmax",
-       "linear", "silu_mul", "moe_experts", "capacity_experts")
+OPS = ("add_rmsnorm", "rope_cache", "attn_decode", "mla_rope_cache", "mla_attn_decode", "route", "norm_route",
+       "route_sigmoid_group", "route_topk_softmax", "route_softmax_group", "linear", "silu_mul", "moe_experts",
+       "capacity_experts")
 
 
 def get_ops(backend: str, device):

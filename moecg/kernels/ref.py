@@ -135,6 +135,62 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     return o.reshape(T, Hq * Dh)
 
 
+
+# ------------------------------------------------------------------------------------------------------------
+# multi-head latent attention (DeepSeek-V2/V3), absorbed: C latent dims (kv_lora_rank), R rotary dims
+# (qk_rope_head_dim), H heads, Dn the non-rotary q/k dims (qk_nope_head_dim). The cache holds, per token, the
+# normalised latent [C] as "keys" and the roped shared key [R] as "values" (as transformers writes them).
+ROPE_LAYOUTS = ("halves", "pairs_to_halves", "pairs")
+
+
+def rope_rotate(x, cos, sin, layout: str):
+    """x [..., R] rotated by per-frequency cos/sin [..., R/2] (broadcast), computed in the tables' dtype and cast
+    back to x's dtype, op for op as HF:
+      halves: rotate_half (x1 = x[:R/2], x2 = x[R/2:]) -> (x1 c - x2 s | x2 c + x1 s)  (DeepSeek-V3, rope_interleave
+        off; HF's q*cos + rotate_half(q)*sin, the same rounded products);
+      pairs_to_halves: x1 = x[0::2], x2 = x[1::2], the same output halves (DeepSeek-V3 rope_interleave);
+      pairs: the same pairs, out interleaved again (DeepSeek-V2's complex product, fp32 tables)."""
+    h = x.shape[-1] // 2
+    xc = x.to(cos.dtype)
+    x1, x2 = (xc[..., :h], xc[..., h:]) if layout == "halves" else (xc[..., 0::2], xc[..., 1::2])
+    a, b = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    out = torch.stack([a, b], dim=-1).flatten(-2) if layout == "pairs" else torch.cat([a, b], dim=-1)
+    return out.to(x.dtype)
+
+
+def mla_rope_cache(kv, q, pos, cos, sin, latents, rope_keys, kv_norm, eps: float, n_heads: int, nope: int,
+                   layout: str):
+    """kv [T, C + R] (kv_a_proj_with_mqa's output), q [T, H * (Dn + R)] -> roped q_pe [T, H, R]; the normalised
+    latent (RMSNorm kv_norm [C]) written into latents [T, 1, L, C] and the roped shared key into rope_keys
+    [T, 1, L, R] at slot `pos` (a device scalar, or [T]: each row at its own).
+    cos/sin [L, R/2]: per-frequency tables (model dtype for DeepSeek-V3, whose rotary rounds each op to it; fp32
+    for DeepSeek-V2's complex product); layout: ROPE_LAYOUTS."""
+    T = kv.shape[0]
+    C, R = latents.shape[-1], rope_keys.shape[-1]
+    p = pos.reshape(-1)  # [1] or [T]
+    c, s = cos.index_select(0, p)[:, None], sin.index_select(0, p)[:, None]  # [1 or T, 1, R/2]
+    lat = rmsnorm(kv[:, :C], kv_norm, eps)  # [T, C]
+    kr = rope_rotate(kv[:, None, C: C + R], c, s, layout)  # [T, 1, R]
+    q_pe = rope_rotate(q.reshape(T, n_heads, nope + R)[..., nope:], c, s, layout)  # [T, H, R]
+    rows, p = torch.arange(T, device=kv.device), p.expand(T)
+    latents[:, 0].index_put_((rows, p), lat.to(latents.dtype))  # [T, L, C]: row t's latent to slot p[t]
+    rope_keys[:, 0].index_put_((rows, p), kr[:, 0].to(rope_keys.dtype))
+    return q_pe
+
+
+def mla_attn_decode(q_lat, q_pe, latents, rope_keys, pos, scaling: float):
+    """Absorbed MLA decode: q_lat [T, H, C] (q's non-rotary part mapped into the latent space by W_UK), q_pe
+    [T, H, R] against cache slots [0, pos] -> o_lat [T, H, C] (the attention-weighted latents; W_UV maps them to
+    the value heads). Scores (q_lat . latent + q_pe . rope_key) * scaling and the softmax in fp32, as sdpa."""
+    T, H, C = q_lat.shape
+    L = latents.shape[2]
+    lat, kr = latents[:T, 0].float(), rope_keys[:T, 0].float()  # [T, L, C], [T, L, R]
+    scores = (torch.matmul(q_lat.float(), lat.transpose(1, 2)) + torch.matmul(q_pe.float(), kr.transpose(1, 2)))
+    scores = scores * scaling  # [T, H, L]
+    ok = torch.arange(L, device=q_lat.device) <= pos.reshape(-1, 1, 1)  # [1 or T, 1, L]
+    p = torch.softmax(scores.masked_fill(~ok, float("-inf")), dim=-1)  # [T, H, L]
+    return torch.matmul(p.to(q_lat.dtype), latents[:T, 0])  # [T, H, C]
+
 # ------------------------------------------------------------------------------------------------------------
 # routers, one per router kind (moecg.models.adapter.ROUTER_KINDS); each is HF's router after its logits GEMM
 def route(logits, top_k: int, normalize: bool, out_dtype):
@@ -159,6 +215,22 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
     idx, w = route(logits, top_k, normalize, out_dtype)
     return res, h, idx, w
 
+
+def route_softmax_group(logits, top_k: int, n_group: int, topk_group: int, scaling: float):
+    """softmax_group (DeepSeek-V2): fp32 logits [T, E] -> (idx [T, K] int64, weights [T, K] fp32): softmax over all
+    experts; n_group 1 is topk_method=greedy (top-k of all), else group_limited_greedy (keep the topk_group groups
+    with the best single expert, top-k in them); times scaling, never renormalised. HF's ops in HF's order."""
+    scores = logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]
+    if n_group > 1:
+        T, E = scores.shape
+        group_scores = scores.view(T, n_group, E // n_group).max(dim=-1).values  # [T, G]
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)  # [T, E]
+        scores = scores.masked_fill(~score_mask.bool(), 0.0)
+    w, idx = torch.topk(scores, k=top_k, dim=-1, sorted=False)  # [T, K]
+    return idx, w * scaling
 
 def route_sigmoid_group(logits, choice_bias, top_k: int, n_group: int, topk_group: int, normalize: bool,
                         scaling: float):

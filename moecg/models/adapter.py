@@ -62,7 +62,9 @@ FEATURES = {
                          "norms cast first, then multiply)",
 }
 # router kinds (ROUTER_KINDS) the fused step routes with its own ops
-FUSED_ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_softmax")
+FUSED_ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_softmax", "softmax_group")
+# attention kinds (ATTENTION_KINDS) the fused step computes (mla: absorbed, moecg.latent)
+FUSED_ATTENTION_KINDS = ("standard", "mla")
 # decode-math features (FEATURES) the fused step computes
 FUSED_FEATURES = ("qk_norm_full", "partial_rotary", "attention_sinks", "clamped_swiglu_experts", "rmsnorm_cast_last")
 # Router kinds whose logits GEMM runs in fp32 (hidden states and weight cast to fp32, as HF's router forward does).
@@ -158,6 +160,14 @@ class FamilyAdapter:
         kv = (config.num_key_value_heads, self.head_dim(config))
         return kv, kv
 
+    def mla_rope_layout(self, config) -> str:
+        """How an MLA family's rotary pairs its dims (moecg.kernels.ref.ROPE_LAYOUTS): DeepSeek-V2 rotates interleaved
+        pairs as complex numbers and keeps them interleaved; DeepSeek-V3 rotates interleaved pairs into rotate_half
+        halves (rope_interleave, its default) or rotate_half halves alike (rope_interleave false)."""
+        if self.family == "deepseek_v2":
+            return "pairs"
+        return "pairs_to_halves" if getattr(config, "rope_interleave", True) else "halves"
+
     def kv_elems_per_token(self, config) -> int:
         """Cached elements one token adds to one layer (keys + values)."""
         (hk, dk), (hv, dv) = self.kv_shapes(config)
@@ -236,9 +246,9 @@ class FamilyAdapter:
         if kernels == "hf":
             return
         # -- kernels=fused: moecg.fast.FastDecode recomputes the decode step from the parameters
-        if self.attention != "standard":
-            refuse("kv_lora_rank", f"capture.kernels=fused runs standard attention only (per-head K/V in the cache); "
-                   f"this model uses {self.attention} attention ({ATTENTION_KINDS[self.attention]})",
+        if self.attention not in FUSED_ATTENTION_KINDS:
+            refuse("model_type", f"capture.kernels=fused has no kernels for {self.attention} attention "
+                   f"({ATTENTION_KINDS[self.attention]}; it has {', '.join(FUSED_ATTENTION_KINDS)})",
                    "use capture.kernels=hf")
         if self.router_kind not in FUSED_ROUTER_KINDS:
             refuse("model_type", f"capture.kernels=fused has no router kernel for router kind {self.router_kind!r} "
@@ -258,7 +268,11 @@ class FamilyAdapter:
                    f"position only, {STATIC_ROPE_TYPES} (rope_type={rt} picks its frequencies from the current "
                    "sequence length)", "use capture.kernels=hf")
         hd = self.head_dim(config)
-        if hd & (hd - 1):
+        if self.attention == "mla":
+            if config.qk_rope_head_dim % 2:
+                refuse("qk_rope_head_dim", f"rotary dims pair up, so qk_rope_head_dim must be even (got "
+                       f"{config.qk_rope_head_dim})", "use capture.kernels=hf")
+        elif hd & (hd - 1):
             refuse("head_dim", f"capture.kernels=fused needs a power-of-two head_dim (got {hd})",
                    "use capture.kernels=hf")
         if model is not None:
