@@ -20,14 +20,14 @@ from moecg.models import build_model  # noqa: E402
 from interp_common import close, fused_backends_agree  # noqa: E402 (tests/, this script's directory)
 
 torch.manual_seed(0)
-T, Dn, L = 3, 16, 200
+T, Dn, L = 3, 16, 130
 for H, C, R in ((4, 32, 8), (20, 48, 16)):  # 20 heads: two head blocks, the second padded; C 48: padded to 64
     kv, q = torch.randn(T, C + R + 5)[:, : C + R], torch.randn(T, H * (Dn + R))  # kv: a row-strided slice
     w = torch.randn(C)
     for layout in ref.ROPE_LAYOUTS:
         for tdt in (torch.float32,):  # bf16 tables (per-op rounding) on the GPU: the interpreter's bf16 casts truncate
             cos, sin = torch.randn(L, R // 2).to(tdt), torch.randn(L, R // 2).to(tdt)
-            for pos in (torch.tensor(7), torch.tensor([3, 150, 0])):
+            for pos in (torch.tensor(7), torch.tensor([3, 120, 0])):
                 lat1, kr1 = torch.zeros(T, 1, L, C), torch.zeros(T, 1, L, R)
                 lat2, kr2 = lat1.clone(), kr1.clone()
                 a = ref.mla_rope_cache(kv, q, pos, cos, sin, lat1, kr1, w, 1e-6, H, Dn, layout)
@@ -38,15 +38,16 @@ for H, C, R in ((4, 32, 8), (20, 48, 16)):  # 20 heads: two head blocks, the sec
     lat, kr = torch.randn(T, 1, L, C), torch.randn(T, 1, L, R)
     q_lat = torch.randn(H, T, C).transpose(0, 1)  # [T, H, C] strided, as the fused step passes it
     q_pe = torch.randn(T, H, R)
-    for pos in (torch.tensor(0), torch.tensor(63), torch.tensor(199), torch.tensor([5, 130, 199])):
+    for pos in (torch.tensor(0), torch.tensor(63), torch.tensor(129), torch.tensor([5, 70, 129])):
         want = ref.mla_attn_decode(q_lat, q_pe, lat, kr, pos, 0.3)
         for splits in (None, 1, 3):
             close(want, tri.mla_attn_decode(q_lat, q_pe, lat, kr, pos, 0.3, splits=splits))
 print("kernels ok")
 
 prompts = torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(0))
-for preset, overrides in (("deepseek_v3_tiny", {}), ("deepseek_v2_tiny", {"attention_bias": True})):
+# DeepSeek-V3 with biases (q LoRA, its norm, interleaved rotary); DeepSeek-V2's layout is checked op by op above
+for preset, overrides in (("deepseek_v3_tiny", {"attention_bias": True}),):
     model = build_model(preset, dtype="fp32", device="cpu", seed=0, config_overrides=overrides).model
-    fused_backends_agree(model, prompts, 48, 6, preset)
+    fused_backends_agree(model, prompts, 32, 4, preset)
     print(preset, "ok")
 print("ALL OK")
