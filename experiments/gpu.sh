@@ -248,6 +248,17 @@ suite_vs_compile_families() {  # the same per newer family at bs 1 and 8 (HF-mod
       --json "$D/vs_compile_$name.json" | tail -4
   done
 }
+suite_vs_compile_mla() {  # the fused latent-attention step (DeepSeek-V3, V2-Lite, Kimi-K2 shapes) against torch.compile, one process per shape
+  bench vs_compile_mla
+  local spec name layers
+  for spec in ${MLA_SHAPES:-deepseek_v3:8 deepseek_v2_lite:27 kimi_k2:4}; do
+    name=${spec%%:*} layers=${spec##*:}
+    TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) t "vs_compile_$name.log" \
+      timeout ${BENCH_TIMEOUT:-400} python3 experiments/bench_vs_compile.py --preset "$name" --num-layers "$layers" \
+      --batch 1 8 --skip-hf-generate ${BENCH_ARGS:-} --strategies ${MLA_STRATEGIES:-full full+fused capacity+fused} \
+      --out "$D/vs_compile_$name.md" --json "$D/vs_compile_$name.json" | grep -E "^\| [0-9]|floor|failed|Error" | head -12
+  done
+}
 suite_serving() {  # moecg's serving against transformers' continuous batching, exactness of continuous batching; the plot
   bench serving
   t serving.log timeout ${SERVING_TIMEOUT:-300} python3 experiments/bench_serving.py --variants full capacity full+fused \

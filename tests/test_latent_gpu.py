@@ -1,0 +1,89 @@
+"""Multi-head latent attention on the fused step on a real GPU (bf16): the Triton kernels against their references at
+real shapes (DeepSeek-V3's 128 heads, 512 latent + 64 rotary dims; V2-Lite's 16 heads), then whole tiny models
+captured against HF's modules.
+
+Dims: T tokens, H heads, Dn / R non-rotary / rotary dims, C latent dims, L cache slots.
+Skipped without CUDA. Run on the H200: `pytest -m gpu -s tests/test_latent_gpu.py`.
+"""
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+
+from moecg.capture import Capture  # noqa: E402
+from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
+from moecg.engine import DecodeEngine  # noqa: E402
+from moecg.kernels import ref, triton_ops as tri  # noqa: E402
+from moecg.models import build_model  # noqa: E402
+
+BF = torch.bfloat16
+
+
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("H", [128, 16])
+def test_latent_ops_match_references(T, H):
+    g = torch.Generator(device="cuda").manual_seed(T * H)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g).to(BF)  # noqa: E731
+    C, R, Dn, L = 512, 64, 128, 640
+    kv, q, w = r(T, 1536 + C + R + 8)[:, 1536: 1536 + C + R], r(T, H * (Dn + R)), r(C)
+    for layout, tdt in (("pairs_to_halves", BF), ("halves", BF), ("pairs", torch.float32)):
+        cos, sin = torch.randn(L, R // 2, device="cuda", generator=g).to(tdt), \
+            torch.randn(L, R // 2, device="cuda", generator=g).to(tdt)
+        for pos in (torch.tensor(300, device="cuda"), torch.randint(0, L, (T,), device="cuda", generator=g)):
+            lat1, kr1 = torch.zeros(T, 1, L, C, device="cuda", dtype=BF), torch.zeros(T, 1, L, R, device="cuda", dtype=BF)
+            lat2, kr2 = lat1.clone(), kr1.clone()
+            a = ref.mla_rope_cache(kv, q, pos, cos, sin, lat1, kr1, w, 1e-6, H, Dn, layout)
+            b = tri.mla_rope_cache(kv, q, pos, cos, sin, lat2, kr2, w, 1e-6, H, Dn, layout)
+            if tdt == BF:  # HF's bf16 rotary rounding, op for op: the same bits
+                assert torch.equal(a, b) and torch.equal(kr1, kr2), layout
+            else:  # fp32 products (a fused multiply-add may round once less), one bf16 rounding
+                torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+                torch.testing.assert_close(kr1.float(), kr2.float(), rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(lat1.float(), lat2.float(), rtol=1e-2, atol=1e-2)
+    lat, kr = r(T, 1, L, C), r(T, 1, L, R)
+    q_lat = r(H, T, C).transpose(0, 1)  # [T, H, C] strided, as the fused step passes it
+    q_pe = r(T, H, R)
+    scale = 192 ** -0.5
+    for pos in (torch.tensor(0, device="cuda"), torch.tensor(255, device="cuda"), torch.tensor(639, device="cuda"),
+                torch.randint(0, L, (T,), device="cuda", generator=g)):
+        want = ref.mla_attn_decode(q_lat, q_pe, lat, kr, pos, scale)
+        for splits in (None, 1, 4, 10):
+            got = tri.mla_attn_decode(q_lat, q_pe, lat, kr, pos, scale, splits=splits)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("preset", ["deepseek_v3_tiny", "deepseek_v2_tiny"])
+def test_latent_fused_full_capture_matches_hf(preset):
+    """bf16, random biases and correction biases: the fused step captured per bucket (3 real rows in bucket 4),
+    teacher-forced against HF's modules eagerly; every real token routed K times per layer."""
+    m = build_model(preset, dtype="bf16", device="cuda", seed=1, config_overrides={"attention_bias": True}).model
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, device="cuda", generator=g) * 0.5)
+        for name, buf in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand(buf.shape, device="cuda", generator=g) * 0.3)
+    prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    attach(m, make_dispatcher("dropless"), max_rows=8)
+    r_ref = DecodeEngine(m, 64, 8).generate(prompts, 16, keep_logits=True, timing=False)
+    s_ref = state_of(m).snapshot()
+    detach(m)
+    for strategy, disp in (("full", "fused"), ("capacity", "capacity")):
+        attach(m, make_dispatcher(disp), max_rows=8)
+        eng = DecodeEngine(m, 64, 8)
+        cap = Capture(eng, strategy, buckets=(1, 2, 4, 8), kernels="fused").apply()
+        assert cap.stats()["kernel_backend"] == "triton" and cap.captured
+        r = eng.generate(prompts, 16, keep_logits=True, timing=False, force_tokens=r_ref.tokens)
+        s = state_of(m).snapshot()
+        cap.unwrap()
+        detach(m)
+        agree = float((r.tokens == r_ref.tokens).float().mean())
+        diff = max(float((a - c).abs().max()) for a, c in zip(r.logits, r_ref.logits))
+        print(f"{preset} {strategy}: forced agreement {agree:.3f}, max logit diff {diff:.4f}")
+        assert s["tokens"] == s_ref["tokens"]
+        if strategy == "full":
+            assert agree >= 0.95 and s["routed_assignments"] == s_ref["routed_assignments"]
