@@ -294,9 +294,9 @@ class FamilyAdapter:
     def _check_mla_heads(self, config, impl: str | None, refuse) -> None:
         """MLA expands its cached latent through kv_b_proj to K and V for all num_attention_heads heads, so no weight
         depends on num_key_value_heads; HF's attention still repeats K/V by num_attention_heads // num_key_value_heads
-        (num_key_value_groups). A ratio > 1 breaks every masked call (eager's repeat_kv, sdpa's pack_gqa and repeat_kv;
-        HF's generate runs it only through sdpa's enable_gqa, with no mask and qk_head_dim == v_head_dim, where the
-        heads already match); a ratio of 0 (more KV heads than heads) leaves eager's repeat_kv no heads."""
+        (num_key_value_groups). A ratio > 1 breaks eager's repeat_kv always and sdpa's pack_gqa / repeat_kv on every
+        masked call (HF's generate runs it only through sdpa's enable_gqa, with no mask and qk_head_dim == v_head_dim,
+        where the heads already match); a ratio of 0 (more KV heads than heads) leaves eager's repeat_kv no heads."""
         h, kv = config.num_attention_heads, config.num_key_value_heads
         if kv == h:
             return
@@ -304,7 +304,7 @@ class FamilyAdapter:
         if groups == 0 and impl != "eager":
             return  # sdpa (and the flash kernels) take the heads from the tensors: below 1 the ratio is never read
         where = ("eager attention's repeat_kv, which leaves no heads" if groups == 0 else
-                 "a masked or static cache (eager's repeat_kv, sdpa's pack_gqa), which every moecg cache is")
+                 "eager attention and in sdpa with a mask (repeat_kv, pack_gqa), which every moecg cache passes")
         refuse("num_key_value_heads", f"num_key_value_heads={kv} with num_attention_heads={h}: MLA expands its latent "
                f"to K and V for all {h} heads (no weight depends on num_key_value_heads), but HF's attention repeats "
                f"them by num_attention_heads // num_key_value_heads = {groups}, which fails in {where}",
