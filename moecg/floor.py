@@ -64,6 +64,14 @@ def device_bandwidth_gbps(device: torch.device) -> tuple[float | None, str]:
     return _by_name(device, DEVICE_BANDWIDTH_GBPS)
 
 
+def kv_bytes_per_token(model, adapter) -> int:
+    """Bytes one token adds to the KV cache over all layers: each layer caches FamilyAdapter.kv_shapes (MLA: its latent,
+    kv_lora_rank + qk_rope_head_dim values; standard: K and V of every KV head) in the model's dtype. moecg's caches are
+    linear, so a sliding-window layer holds every token too (the floor reads only its window)."""
+    elem = next(model.parameters()).element_size()
+    return adapter.kv_elems_per_token(model.config) * len(adapter.layers(model)) * elem
+
+
 def floor_bytes(model, adapter, experts_hit: list[int], rows: int, context: int) -> float:
     """Bytes one decode step must read: non-expert weights, the experts actually hit, and the live KV."""
     cfg = model.config

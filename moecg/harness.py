@@ -31,7 +31,7 @@ from moecg.capture import Capture
 from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.engine import DecodeEngine
 from moecg.fidelity import agreement, logit_agreement
-from moecg.floor import exchange_floor_ms, step_floor_ms
+from moecg.floor import exchange_floor_ms, kv_bytes_per_token, step_floor_ms
 from moecg.models import build_model
 from moecg.parallel import EPGroup, parallelize, shard_experts
 from moecg.plan import RunPlan, resolve_plan
@@ -269,6 +269,7 @@ def _run(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
         "speedup_vs_eager": None if same_path or not eager_p50 or not p50 > 0 else eager_p50 / p50,
         **_memory_fields(plan, built, group),
         "floor_ms": floor_ms, "floor_ratio": p50 / floor_ms if floor_ms else None,
+        "kv_bytes_per_token": kv_bytes_per_token(model, built.adapter),
         "hbm_bandwidth_gbps": m.hbm_bandwidth_gbps, "bandwidth_source": m.bandwidth_source,
         "exchange_floor_ms": xfloor_ms, "nvlink_bandwidth_gbps": m.nvlink_bandwidth_gbps if group.size > 1 else None,
         **_drop_fields(drops),
@@ -333,6 +334,7 @@ def _serve(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
                max_cache_len=plan.max_cache_len, seed=plan.seed, prompts=plan.prompts_kind,
                capacity=drops["capacity_used"] if dispatcher.drops else None, **_capture_fields(plan, stats),
                latency_noisy=None, **_memory_fields(plan, built, group),
+               kv_bytes_per_token=kv_bytes_per_token(model, built.adapter),
                hbm_bandwidth_gbps=m.hbm_bandwidth_gbps, bandwidth_source=m.bandwidth_source, **_drop_fields(drops))
     out.update(request_metrics(tl.requests))
     out.update(step_metrics(tl.steps, tl.prefills, tl.drops_by_batch))

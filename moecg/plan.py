@@ -222,7 +222,8 @@ def _strategy(s: StrategyConfig, dispatcher: Dispatcher, layers: int) -> tuple[S
 def _check_family(model: ModelPlan, kernels: str, step_graph: bool) -> None:
     """The family adapter's own audit of the config (features a path does not model are refused there)."""
     try:
-        ADAPTERS[model.family].check_supported(model.config, kernels, step_graph=step_graph)
+        ADAPTERS[model.family].check_supported(model.config, kernels, step_graph=step_graph,
+                                               attn_implementation=model.attn_implementation)
     except ValueError as e:
         raise PlanError(str(e)) from None
 

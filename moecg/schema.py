@@ -163,6 +163,10 @@ FIELDS: tuple[Field, ...] = (
        "is unknown, and when serving. ep > 1: the slowest rank's (its own experts that any rank hits), + "
        "exchange_floor_ms", _S),
     _f("floor_ratio", "floor", "ms_per_token_p50 / floor_ms", _S),
+    _f("kv_bytes_per_token", "floor", "KV cache bytes one token adds, all layers: each layer's cached elements "
+       "(FamilyAdapter.kv_shapes; MLA its latent, kv_lora_rank + qk_rope_head_dim; standard attention K and V, "
+       "2 x kv heads x head_dim) x layers x the dtype's bytes; the floor reads it per live context token (a sliding "
+       "layer only inside its window)"),
     _f("hbm_bandwidth_gbps", "floor", "the bandwidth used: measured per device (moecg.floor), or "
        "measure.hbm_bandwidth_gbps; null where unknown (CPUs)"),
     _f("bandwidth_source", "floor", "device table | config | unknown"),

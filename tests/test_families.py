@@ -4,19 +4,25 @@ Dims: B rows, S tokens per row, T = B*S tokens, K top-k, E experts, L MoE layers
 Per tiny family preset, against references: the engine's greedy decode vs HF `generate`; every dispatcher vs HF's own
 experts (its default grouped_mm and its eager loop); pad rows vs the unpadded batch; capacity drops vs Megatron-core's
 `apply_router_token_dropping` on the family's real router outputs; emulated capture of every strategy vs eager; a
-save_pretrained round trip; the skewed routers vs HF's routers. HF initialises biases (router, experts, attention,
-sinks, e_score_correction_bias) to zero, which would hide a dropped one: every test model gets random ones.
+save_pretrained round trip; the skewed routers vs HF's routers; the results record's KV bytes per token. HF
+initialises biases (router, experts, attention, sinks, e_score_correction_bias) to zero, which would hide a dropped
+one: every test model gets random ones.
 """
+import io
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
+import moecg
 from moecg.capture import Capture
 from moecg.dispatch import attach, capacity_slots, detach, make_dispatcher
 from moecg.dispatch.capacity import capacity
 from moecg.engine import DecodeEngine
 from moecg.floor import floor_bytes
+from moecg.harness import Phases, run_experiment
 from moecg.models import apply_router_skew, build_model, make_config
 from moecg.models.adapter import UnsupportedConfigError, adapter_for
 from moecg.models.skew import ROUTES_FROM_LOGITS
@@ -353,7 +359,7 @@ def test_dense_prefix_must_leave_a_moe_layer():
 
 # -- real shapes -------------------------------------------------------------------------------------------------
 # published sizes (total, active per token; billions) of the checkpoint each preset mirrors
-PUBLISHED = {"deepseek_v3": (671, 37), "glm4_5_air": (106, 12), "deepseek_v2_lite": (15.7, 2.4),
+PUBLISHED = {"deepseek_v3": (671, 37), "kimi_k2": (1040, 32), "glm4_5_air": (106, 12), "deepseek_v2_lite": (15.7, 2.4),
              "olmoe_1b_7b": (6.9, 1.3), "gpt_oss_20b": (21, 3.6)}
 
 
@@ -391,3 +397,19 @@ def test_deepseek_v2_group_limited_router():
     assert all(torch.equal(x, y) for x, y in zip(got, want))
     ids = want[2]  # [T, K]: every token's experts lie in at most topk_group of the 4 groups
     assert int((torch.zeros(ids.shape[0], 4).scatter(1, ids // 4, 1.0).sum(1) <= 2).all())
+
+
+# -- results record ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["deepseek_v3_tiny", "mixtral_tiny"])
+def test_results_record_kv_bytes_per_token(preset):
+    """results.json's kv_bytes_per_token is the cache formula restated from the config: MLA's latent
+    (kv_lora_rank + qk_rope_head_dim) or standard K and V (2 x kv heads x head_dim), x layers x fp32 bytes."""
+    with initialize_config_dir(config_dir=str(Path(moecg.__file__).parent / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            f"model={preset}", "strategy=eager", "device=cpu", "batch_size=1", "prompt_len=4", "new_tokens=2",
+            "measure.repeats=1", "measure.skip_steps=0", "measure.eager_baseline=false", "measure.fidelity=false"])
+    rec = run_experiment(cfg, phases=Phases(out=io.StringIO()))
+    c = make_config(preset)
+    per_layer = (c.kv_lora_rank + c.qk_rope_head_dim if preset.startswith("deepseek")
+                 else 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads))
+    assert rec["kv_bytes_per_token"] == per_layer * c.num_hidden_layers * 4, rec["kv_bytes_per_token"]

@@ -218,6 +218,9 @@ def test_harness_trace_capacity_record(tmp_path):
     assert str(tmp_path) not in json.dumps({k: v for k, v in res.items() if k != "config"})  # no machine paths
     assert res["drop_rate_by_batch"] and res["capacity"] is not None and res["token_agreement_vs_eager"] is None
     assert res["anchor_output_tokens_per_s"] is None
+    # the serving record carries the cache's bytes per token too: mixtral_tiny (the default model), 2 layers of K and V
+    # for 2 KV heads of 16 dims, fp32
+    assert res["model"] == "mixtral_tiny" and res["kv_bytes_per_token"] == 2 * (2 * 2 * 16) * 4
 
 
 @pytest.mark.slow

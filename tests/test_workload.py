@@ -162,8 +162,10 @@ def test_fixed_workload_results_unchanged(case):
     new = set(schema.NAMES) - set(want) - set(golden["volatile"])
     ep_fields = {"ep", "ep_backend", "exchange_floor_ms", "nvlink_bandwidth_gbps"}  # expert parallelism
     knobs = {"pdl", "overlap_shared", "fuse_router", "precompile"}  # capture.*, recorded since they became config
-    assert new == {"workload", *schema.SERVING, *ep_fields, "prefill_chunk", "attn_implementation", *knobs}, \
-        "a field was added outside the serving and EP groups, prefill_chunk, attn_implementation and the capture knobs"
+    kv = {"kv_bytes_per_token"}  # the KV cache's bytes per token, recorded since the floor prices MLA's latent cache
+    assert new == {"workload", *schema.SERVING, *ep_fields, "prefill_chunk", "attn_implementation", *knobs, *kv}, \
+        "a field was added outside the serving and EP groups, prefill_chunk, attn_implementation, the capture knobs " \
+        "and kv_bytes_per_token"
     assert (res["pdl"], res["overlap_shared"], res["fuse_router"], res["precompile"]) == ("auto", True, True, True)
     assert res["attn_implementation"] == "sdpa"
     assert res["ep"] == 1 and all(res[f] is None for f in ep_fields - {"ep"})  # one process: today's path

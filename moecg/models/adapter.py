@@ -198,12 +198,14 @@ class FamilyAdapter:
         """The fewest decoder layers a cut can keep and still have a routed layer (DeepSeek/GLM: dense first layers)."""
         return (getattr(config, "first_k_dense_replace", None) or 0) + 1
 
-    def check_supported(self, config, kernels: str = "hf", *, step_graph: bool = False, model=None) -> None:
+    def check_supported(self, config, kernels: str = "hf", *, step_graph: bool = False, model=None,
+                        attn_implementation: str | None = None) -> None:
         """Raise UnsupportedConfigError, before any work, for a config field moecg would run wrongly.
 
         kernels: "hf" (HF's modules: the engine and every capture strategy) or "fused" (moecg.fast.FastDecode).
         step_graph: a whole decode step (rotary embedding included) is captured (strategy=full/capacity).
         model: also check the built modules (expert biases), for kernels=fused.
+        attn_implementation: HF's attention the model runs (model.attn_implementation); None: the config's own.
         """
         if kernels not in KERNELS:
             raise UnsupportedConfigError(f"capture.kernels={kernels!r}: choose one of {KERNELS}")
@@ -237,6 +239,13 @@ class FamilyAdapter:
             refuse("rope_parameters", "rope_type=dynamic recomputes the rotary frequencies on the host when the "
                    "sequence outgrows them, which a captured decode step cannot do",
                    "use strategy=layer or partial (the rotary embedding runs eagerly there) or strategy=eager")
+        if self.attention == "mla":
+            impl = attn_implementation or getattr(config, "_attn_implementation", None)
+            self._check_mla_heads(config, impl, refuse)
+        if hasattr(config, "first_k_dense_replace") and not isinstance(config.first_k_dense_replace, int):
+            refuse("first_k_dense_replace", f"first_k_dense_replace={config.first_k_dense_replace!r}: HF's decoder "
+                   "layers compare their index with it to pick a dense MLP or a MoE block",
+                   "set it to the number of dense first layers (0 for none)")
         dense = self.min_layers(config) - 1
         if dense >= n:  # DeepSeek, GLM: layers below first_k_dense_replace are dense MLPs
             refuse("num_hidden_layers", f"the first first_k_dense_replace={dense} layers are dense, so {n} layers have "
@@ -282,12 +291,42 @@ class FamilyAdapter:
                     refuse("experts", "capture.kernels=fused: experts with bias are not supported",
                            "use capture.kernels=hf")
 
+    def _check_mla_heads(self, config, impl: str | None, refuse) -> None:
+        """MLA expands its cached latent through kv_b_proj to K and V for all num_attention_heads heads, so no weight
+        depends on num_key_value_heads; HF's attention still repeats K/V by num_attention_heads // num_key_value_heads
+        (num_key_value_groups). A ratio > 1 breaks eager's repeat_kv always and sdpa's pack_gqa / repeat_kv on every
+        masked call (HF's generate runs it only through sdpa's enable_gqa, with no mask and qk_head_dim == v_head_dim,
+        where the heads already match); a ratio of 0 (more KV heads than heads) leaves eager's repeat_kv no heads."""
+        h, kv = config.num_attention_heads, config.num_key_value_heads
+        if kv == h:
+            return
+        groups = h // kv
+        if groups == 0 and impl != "eager":
+            return  # sdpa (and the flash kernels) take the heads from the tensors: below 1 the ratio is never read
+        where = ("eager attention's repeat_kv, which leaves no heads" if groups == 0 else
+                 "eager attention and in sdpa with a mask (repeat_kv, pack_gqa), which every moecg cache passes")
+        refuse("num_key_value_heads", f"num_key_value_heads={kv} with num_attention_heads={h}: MLA expands its latent "
+               f"to K and V for all {h} heads (no weight depends on num_key_value_heads), but HF's attention repeats "
+               f"them by num_attention_heads // num_key_value_heads = {groups}, which fails in {where}",
+               f"set num_key_value_heads={h} in the config (config.json): the same weights, and the outputs HF's sdpa "
+               "computes where it runs this config")
+
     def _check_groups(self, config, refuse) -> None:
         """Group-limited routing views the experts as [n_group, E / n_group]: refuse what HF's router would crash on."""
         E, k = self.num_experts(config), self.top_k(config)
-        if self.router_kind == "softmax_group" and getattr(config, "topk_method", "greedy") == "greedy":
-            return  # DeepSeek-V2's greedy top-k ignores the groups
-        g, tg = getattr(config, "n_group", None) or 1, getattr(config, "topk_group", None) or 1
+        if self.router_kind == "softmax_group":
+            method = getattr(config, "topk_method", "greedy")
+            if method not in ("greedy", "group_limited_greedy"):  # DeepseekV2TopkRouter has no other branch
+                refuse("topk_method", f"topk_method={method!r}: DeepSeek-V2's router implements greedy and "
+                       "group_limited_greedy only (HF's router fails on any other)",
+                       "set topk_method=greedy (DeepSeek-V2-Lite) or group_limited_greedy (DeepSeek-V2)")
+            if method == "greedy":
+                return  # DeepSeek-V2's greedy top-k ignores the groups
+        g, tg = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+        if not (isinstance(g, int) and isinstance(tg, int) and g >= 1):
+            refuse("n_group", f"group-limited routing splits the experts into n_group groups and keeps topk_group of "
+                   f"them (n_group={g!r}, topk_group={tg!r}; HF's router divides the experts by n_group)",
+                   "set both to integers (n_group=1, topk_group=1: no group limit)")
         if E % g or not 1 <= tg <= g:
             refuse("n_group", f"group-limited routing needs n_group to divide the {E} experts and 1 <= topk_group <= "
                    f"n_group (n_group={g}, topk_group={tg})", "fix n_group / topk_group")

@@ -133,6 +133,20 @@ PRESETS: dict[str, dict] = {
                          "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
                          "mscale": 1.0, "mscale_all_dim": 1.0},
     ),
+    # moonshotai/Kimi-K2-Instruct (1.04T, 32B active; its config.json of the July 2025 release, model_type kimi_k2 on
+    # DeepseekV3ForCausalLM): DeepSeek-V3's architecture with 384 experts (8 active + 1 shared, one group: no group
+    # limit, scaled by 2.827), 64 heads, 1 dense layer of 61, MLA as V3 (q LoRA 1536, KV latent 512 + 64 rotary), yarn
+    # x32 over 4096 positions with beta_fast 1 and rope_theta 50000
+    "kimi_k2": dict(
+        family="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1,
+        n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1, routed_scaling_factor=2.827,
+        norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+    ),
     # zai-org/GLM-4.5-Air (106B, 12B active): 46 layers, 1 dense, 128 experts, 8 active + 1 shared, 96 q / 8 kv heads
     # of 128, half-rotary, q/k/v bias, no q/k norm
     "glm4_5_air": dict(
