@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import subprocess
@@ -12,6 +11,7 @@ import torch
 import transformers
 
 import moecg
+from moecg.schema import write_json
 
 
 def percentile(xs, q):
@@ -47,4 +47,4 @@ def write_report(table: str, rows, args, out: str | None, json_path: str | None)
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(table + "\n")
     if json_path:
-        Path(json_path).write_text(json.dumps({"env": env_fields(), "args": vars(args), "rows": rows}, indent=2))
+        write_json(json_path, {"env": env_fields(), "args": vars(args), "rows": rows})

@@ -1,7 +1,6 @@
 """`python -m moecg.run [overrides]`: one experiment (or a Hydra multirun sweep) -> results.json + a summary table."""
 from __future__ import annotations
 
-import json
 import math
 import sys
 import traceback
@@ -16,7 +15,7 @@ from moecg.callbacks import one_line
 from moecg.harness import Phases, plan_of, run_experiment
 from moecg.logger import NullLogger, make_logger
 from moecg.parallel.job import RankJob
-from moecg.schema import SERVING, SUMMARY, axes_from_config, failed_record
+from moecg.schema import SERVING, SUMMARY, axes_from_config, failed_record, write_json
 
 
 def _fmt(v):
@@ -71,7 +70,7 @@ def main(cfg: DictConfig) -> None:
             results_path = job.out_dir / cfg.results_file
             res["status"] = "ok"
             res["config"] = OmegaConf.to_container(cfg, resolve=True)
-            results_path.write_text(json.dumps(res, indent=2, default=str))
+            write_json(results_path, res)
             logger = make_logger(cfg, job.out_dir)
             logger.log_results(res)
             print_summary(res)
@@ -121,7 +120,7 @@ def _record_failure(cfg, e: BaseException, results_path: Path, prefix: str = "")
                         getattr(e, "moecg_phase", "setup"),
                         getattr(e, "child_traceback", None) or "".join(traceback.format_exception(e)),
                         config, axes_from_config(config))
-    results_path.write_text(json.dumps(err, indent=2, default=str))
+    write_json(results_path, err)
     print(f"moecg: job failed: {one_line(err['error'])} (details and traceback: {results_path})", file=sys.stderr)
 
 
