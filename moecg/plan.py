@@ -20,9 +20,9 @@ from moecg.capture.plan import StrategyError, StrategySpec, validate
 from moecg.config.capture import CaptureConfig, CapturePlan
 from moecg.config.dispatch import resolve_dispatch
 from moecg.config.measure import MeasureConfig, MeasurePlan
-from moecg.config.model import ModelConfig, ModelPlan
+from moecg.config.model import ModelConfig, ModelPlan, check_attn_implementation
 from moecg.config.parallel import ParallelConfig
-from moecg.config.readers import PlanError, as_choice, as_int, read_group
+from moecg.config.readers import PlanError, as_choice, as_float, as_int, read_group
 from moecg.config.root import RunConfig, read_run
 from moecg.config.strategy import StrategyConfig
 from moecg.dispatch import Dispatcher
@@ -121,6 +121,7 @@ def resolve_plan(cfg) -> RunPlan:
         dtype = resolve_dtype(model.dtype, device)
     except ValueError as e:
         raise PlanError(str(e)) from None
+    check_attn_implementation(model, device)
 
     dispatcher, prefill_dispatcher = resolve_dispatch(cfg.get("dispatch"))
     prefill_chunk = _prefill_chunk(run.prefill_chunk, prefill_dispatcher or dispatcher, workload.name)
@@ -243,6 +244,8 @@ def _check_ragged(model: ModelPlan, compile_: bool, workload: str) -> None:
 def _parallel(p: ParallelConfig, device: torch.device, model: ModelPlan, dispatchers, compile_: bool,
               workload: WorkloadPlan) -> tuple[ParallelPlan, torch.device]:
     """The expert-parallel plan and this rank's device."""
+    if not isinstance(p.timeout_s, bool) and isinstance(p.timeout_s, (int, float)):
+        as_float(p.timeout_s, "parallel.timeout_s", 0.0, strict=True, example=300)  # finite: a timedelta of inf fails
     try:
         parallel = resolve_parallel(p, device, ADAPTERS[model.family].num_experts(model.config), dispatchers, compile_)
     except ParallelError as e:
