@@ -2,16 +2,26 @@
 from __future__ import annotations
 
 import math
+import os
+import re
+import shutil
 import sys
 import traceback
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException, ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 import moecg.config  # noqa: F401  (registers the config groups before Hydra composes)
 from moecg.callbacks import one_line
+from moecg.config.dispatch import options as dispatch_options
+from moecg.config.readers import unknown_key
+from moecg.config.root import RootConfig
+from moecg.config.workload import WORKLOADS
 from moecg.harness import Phases, plan_of, run_experiment
 from moecg.logger import NullLogger, make_logger
 from moecg.parallel.job import RankJob
@@ -92,8 +102,6 @@ def main(cfg: DictConfig) -> None:
 
 
 def _run_with_progress(cfg, job: RankJob | None = None) -> dict:
-    import os
-
     from rich.progress import Progress
 
     job = job or RankJob(Path("."))
@@ -228,6 +236,81 @@ def _is_multirun() -> bool:
         return False
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m moecg.run`: Hydra's entry, with the refusals Hydra raises before moecg's code runs (an override of
+    a key the chosen group option does not have, a launcher that cannot run here) worded as one line with the fix.
+
+    Hydra prints its own errors unless HYDRA_FULL_ERROR=1, so it is set while Hydra runs and the error is caught
+    here; a user who set HYDRA_FULL_ERROR=1 gets Hydra's full traceback, as always."""
     _register_launcher_defaults()
-    main()
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        main()
+        return
+    before = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except Exception as e:  # noqa: BLE001 - Hydra's and its launcher's own errors: moecg's job errors never get here
+        line = override_hint(e) or slurm_hint(e)
+        if line is not None:
+            print(f"moecg: {line}", file=sys.stderr)
+        elif isinstance(e, CompactHydraException):  # as Hydra prints it
+            print(str(e), file=sys.stderr)
+            if isinstance(e.__cause__, OmegaConfBaseException):
+                print(str(e.__cause__), file=sys.stderr)
+        else:
+            traceback.print_exception(e)
+        raise SystemExit(1) from None
+    finally:
+        if before is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = before
+
+
+# group -> its options' node classes, for a key the chosen option lacks (the other options may have it)
+def _option_nodes() -> dict[str, dict[str, type]]:
+    return {"workload": dict(WORKLOADS), "dispatch": dispatch_options(),
+            **{f.name: {"": f.default_factory} for f in fields(RootConfig) if is_dataclass(f.default_factory)}}
+
+
+def override_hint(e: BaseException) -> str | None:
+    """One line for Hydra's refusal of an override whose key the config does not have (`workload.rate=8` with
+    workload=fixed: "Key 'rate' is not in struct"): the group option that has it, or the nearest key; None for any
+    other error (Hydra's own message stands)."""
+    cause = e.__cause__
+    key = getattr(cause, "full_key", None)
+    if not isinstance(e, ConfigCompositionException) or not isinstance(cause, (ConfigAttributeError, ConfigKeyError)) \
+            or not key:
+        return None
+    given = re.search(r"use \+(\S+)", str(e))
+    given = given.group(1) if given else key
+    group, _, leaf = key.rpartition(".")
+    if not group:
+        return unknown_key(key, None, [f.name for f in fields(RootConfig)]).args[0]
+    nodes = _option_nodes().get(group)
+    if nodes is None or "." in group:
+        return None
+    takers = [name for name, cls in nodes.items() if name and leaf in {f.name for f in fields(cls)}]
+    chosen = getattr(getattr(cause, "object_type", None), "__name__", None)
+    chosen = next((name for name, cls in nodes.items() if cls.__name__ == chosen), None)
+    if takers:
+        picks = " or ".join(f"{group}={t}" for t in takers)
+        return (f"{key} belongs to {picks}{f', not {group}={chosen}' if chosen else ''}: add {group}={takers[0]} "
+                f"(python -m moecg.run {group}={takers[0]} {given})")
+    known = sorted({f.name for cls in nodes.values() for f in fields(cls)} - {"name"})
+    return unknown_key(key, group, known).args[0]
+
+
+def slurm_hint(e: BaseException) -> str | None:
+    """One line for submitit's SLURM launcher started where there is no SLURM (it raises from inside the launch,
+    "Could not detect srun", after Hydra has composed the sweep)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if shutil.which("srun") is None and any("submitit" in f.filename and "slurm" in f.filename for f in frames):
+        return ("hydra/launcher=submitit_slurm: not on a SLURM cluster (no srun on PATH): use "
+                "hydra/launcher=submitit_local to run the sweep on this machine, or run on the cluster's login node")
+    return None
+
+
+if __name__ == "__main__":
+    cli()
