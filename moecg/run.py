@@ -47,10 +47,24 @@ def print_summary(res: dict) -> None:
         table.add_row(k, _fmt(res.get(k)))
     console = Console()
     console.print(table)
+    caveat = eager_caveat(res)
+    if caveat:
+        console.print(f"[yellow]{caveat}[/yellow]")
+
+
+def eager_caveat(res: dict) -> str | None:
+    """The summary's warning whenever no CUDA graph ran (no capture, or capture.backend=emulate's CPU stand-in):
+    the latencies, and any comparison with transformers, are then eager times of this device."""
+    dev, anchor = res.get("device"), res.get("anchor_output_tokens_per_s") is not None
+    beside = " (transformers' continuous batching beside it, too)" if anchor else ""
     if not res.get("captured"):
-        console.print(f"[yellow]No CUDA graphs were captured on {res.get('device')}: every strategy ran eagerly with "
-                      f"dispatch={res.get('dispatch')}. Latencies are eager {res.get('device')} times; drop rates, "
-                      "load imbalance and fidelity are real.[/yellow]")
+        return (f"No CUDA graphs were captured on {dev}: every strategy ran eagerly with dispatch={res.get('dispatch')}. "
+                f"Latencies are eager {dev} times{beside}; drop rates, load imbalance and fidelity are real.")
+    if res.get("capture_backend") != "cuda":
+        return (f"No CUDA graph ran on {dev}: capture.backend={res.get('capture_backend')} replays the captured pieces "
+                f"eagerly (a stand-in that tests the capture logic). Latencies are eager {dev} times{beside}; drop "
+                "rates, load imbalance and fidelity are real.")
+    return None
 
 
 def _job_dir(cfg) -> Path:
