@@ -9,6 +9,7 @@ whether it fits this machine's memory (moecg.memory). Every error names the conf
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -137,7 +138,6 @@ def resolve_plan(cfg) -> RunPlan:
     captures = spec.scope != "eager" and resolved_backend != "none"
     bucket = bucket_for(batch, capture.buckets) if captures else None
     measure = measure_cfg.resolve(device, model, None if workload.serving else new_tokens, parallel.ep)
-    prompts = _prompts(prompts_kind, run, batch, prompt_len, seed, model, parallel, workload.serving)
     # the eager baseline (HF modules, same dispatch) is timed unless the run itself is that path
     needs_baseline = measure.eager_baseline and (spec.scope != "eager" or capture.kernels != "hf") \
         and not workload.serving
@@ -146,12 +146,16 @@ def resolve_plan(cfg) -> RunPlan:
         scopes=tuple(scopes) if scopes is not None else None, dispatcher=dispatcher,
         prefill_dispatcher=prefill_dispatcher, capture=capture, measure=measure, workload=workload, parallel=parallel,
         batch_size=batch, prompt_len=prompt_len, new_tokens=new_tokens, max_cache_len=max_cache_len,
-        prefill_chunk=prefill_chunk, seed=seed, prompts_kind=prompts_kind, prompts=prompts, captures=captures,
+        prefill_chunk=prefill_chunk, seed=seed, prompts_kind=prompts_kind, prompts=_NO_PROMPTS, captures=captures,
         bucket=bucket, max_rows=max(bucket or batch, batch), needs_baseline=needs_baseline,
         decode_steps=_decode_steps(measure, needs_baseline, workload, new_tokens),
     )
-    check_fits(plan)
-    return plan
+    check_fits(plan)  # before the prompts are drawn: a batch that cannot fit is refused, not allocated
+    prompts = _prompts(prompts_kind, run, batch, prompt_len, seed, model, parallel, workload.serving)
+    return dataclasses.replace(plan, prompts=prompts)
+
+
+_NO_PROMPTS = torch.zeros(0, 0, dtype=torch.long)
 
 
 def _fixed_shape(run: RunConfig, serving: bool) -> tuple[int, int, int, int, int | None]:
