@@ -119,7 +119,8 @@ def resolve_plan(cfg) -> RunPlan:
         cfg.get("workload"), model, prompts_kind, seed, (batch, prompt_len, new_tokens, max_cache_len),
         run.max_cache_len)
     try:
-        dtype = resolve_dtype(model.dtype, device)
+        dtype = resolve_dtype(model.dtype if isinstance(model.dtype, str) or model.dtype is None else repr(model.dtype),
+                              device)
     except ValueError as e:
         raise PlanError(str(e)) from None
     check_attn_implementation(model, device)
@@ -176,10 +177,14 @@ def _fixed_shape(run: RunConfig, serving: bool) -> tuple[int, int, int, int, int
 
 
 def _device(device) -> torch.device:
+    if device is not None and not isinstance(device, str):
+        raise PlanError(f"device={device!r}: choose auto, cpu or cuda (cuda:N for one GPU)")
     try:
         return resolve_device(device)
     except ValueError as e:
         raise PlanError(str(e)) from None
+    except RuntimeError:  # torch's own parse of the string
+        raise PlanError(f"device={device!r}: choose auto, cpu or cuda (cuda:N for one GPU)") from None
 
 
 def _workload(w, model: ModelPlan, prompts_kind: str, seed: int, fixed: tuple, max_cache_len) -> tuple:

@@ -56,7 +56,7 @@ class ModelConfig:
             if preset is None:
                 raise PlanError("model.preset is null and no model.pretrained_path: pick model=<preset> "
                                 f"({', '.join(sorted(PRESETS))}) or model=local model.pretrained_path=/dir")
-            if preset not in PRESETS:
+            if not isinstance(preset, str) or preset not in PRESETS:
                 raise PlanError(f"model.preset={preset!r}: choose one of {', '.join(sorted(PRESETS))}")
             if num_layers is not None:
                 _check_depth(num_layers, int(make_config(preset).num_hidden_layers), f"model={preset}")
