@@ -29,8 +29,7 @@ import torch
 
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.floor import device_bandwidth_gbps, expert_bytes
-from moecg.report import env_fields
-from moecg.schema import write_json
+from moecg.report import env_fields, write_json
 from moecg.models import build_model
 
 CASES = [  # label, dispatch, kwargs

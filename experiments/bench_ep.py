@@ -38,8 +38,7 @@ from moecg.engine import DecodeEngine
 from moecg.floor import device_bandwidth_gbps, device_nvlink_gbps, exchange_floor_ms, step_floor_ms
 from moecg.models import build_model, resolve_device
 from moecg.parallel import EPGroup, init_group, parallelize, shard_experts, torchrun_env
-from moecg.report import env_fields
-from moecg.schema import write_json
+from moecg.report import env_fields, write_json
 
 CASES = [  # dispatch, strategy
     ("dropless", "eager"), ("dropless", "partial"), ("dropless", "layer"), ("dropless", "full"),

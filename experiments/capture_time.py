@@ -37,8 +37,7 @@ from pathlib import Path
 import torch
 
 from moecg.capture import DEFAULT_BUCKETS, Capture, validate_buckets
-from moecg.report import env_fields, write_report
-from moecg.schema import write_json
+from moecg.report import env_fields, write_json, write_report
 
 PHASES = ("setup_s", "precompile_s", "first_warmup_s", "jit_s", "steady_warmup_s", "graph_capture_s", "other_s")
 

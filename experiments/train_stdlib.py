@@ -42,7 +42,7 @@ from moecg.models import build_model
 from moecg.models.adapter import ADAPTERS
 from moecg.models.zoo import FAMILIES, PRESETS, family_of_config, make_config
 from moecg.quality import heldout_bpb, heldout_expert_load
-from moecg.schema import write_json
+from moecg.report import write_json
 
 # Shapes for ~4-5M parameters (8-10 MB in bf16) live in moecg/models/zoo.py PRESETS (*_stdlib), the same
 # presets `model=mixtral_stdlib` loads the shipped weights into.

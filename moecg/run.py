@@ -25,7 +25,8 @@ from moecg.config.workload import WORKLOADS
 from moecg.harness import Phases, plan_of, run_experiment
 from moecg.logger import NullLogger, make_logger
 from moecg.parallel.job import RankJob
-from moecg.schema import SERVING, SUMMARY, axes_from_config, failed_record, write_json
+from moecg.report import write_json
+from moecg.schema import SERVING, SUMMARY, axes_from_config, failed_record
 
 
 def _fmt(v):

@@ -7,16 +7,9 @@ axes (always columns, filled from the config for failed jobs: `config` names the
 """
 from __future__ import annotations
 
-import json
-import math
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)  # read once: mkstemp makes 0600 files, a written record gets the mode open() would give it
 PERCENTILES = (50, 90, 99)  # of every per-request latency (serving, anchor): <latency>_p50, _p90, _p99
 
 
@@ -256,42 +249,6 @@ def failed_record(error: str, phase: str, traceback: str, config: dict, axes: di
     rec = {k: v for k, v in axes.items() if k in NAMES}
     rec.update(status="failed", error=error, phase=phase, traceback=traceback, config=config)
     return rec
-
-
-def strict(obj):
-    """obj with every non-finite float (NaN, +-Infinity) as None, through dicts, lists and tuples: what strict JSON
-    can hold (json.dumps would write bare NaN, which no JSON parser but Python's reads)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Mapping):
-        return {k: strict(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict(v) for v in obj]
-    return obj
-
-
-def dumps(obj, **kw) -> str:
-    """Strict JSON (null, never NaN/Infinity); objects JSON has no type for (paths, dtypes) as their str."""
-    return json.dumps(strict(obj), allow_nan=False, default=str, **kw)
-
-
-def write_json(path, obj, indent: int | None = 2) -> Path:
-    """Write obj as strict JSON, atomically: a temp file in the same directory, then os.replace, so a job killed
-    mid-write leaves the old file or the new one, never half of one."""
-    path = Path(path)
-    text = dumps(obj, indent=indent) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def markdown_table() -> str:

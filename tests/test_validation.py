@@ -41,7 +41,7 @@ from moecg.config.parallel import ParallelConfig
 from moecg.config.root import RunConfig
 from moecg.config.workload import WORKLOADS
 from moecg.plan import PlanError, resolve_plan
-from moecg.schema import write_json
+from moecg.report import write_json
 
 CONF = str(Path(moecg.__file__).parent / "conf")
 
@@ -246,16 +246,16 @@ def test_results_are_strict_json_and_written_atomically(tmp_path, monkeypatch):
 
 
 def test_no_results_file_is_written_around_the_helper():
-    """Every results/records JSON file in moecg/ and experiments/ goes through moecg.schema.write_json."""
+    """Every results/records JSON file in moecg/ and experiments/ goes through moecg.report.write_json."""
     root = Path(moecg.__file__).parents[1]
     # the helper; the recorder runs other commits' trees; the data manifest (sizes and hashes) is no record
-    skip = {"moecg/schema.py", "experiments/record_diff.py", "moecg/data/__init__.py"}
+    skip = {"moecg/report.py", "experiments/record_diff.py", "moecg/data/__init__.py"}
     bad = []
     for f in [*root.glob("moecg/**/*.py"), *root.glob("experiments/*.py")]:
         rel = f.relative_to(root).as_posix()
         if rel not in skip and re.search(r"write_text\(json\.dumps|json\.dump\(", f.read_text()):
             bad.append(rel)
-    assert not bad, f"write JSON through moecg.schema.write_json: {bad}"
+    assert not bad, f"write JSON through moecg.report.write_json: {bad}"
 
 
 # -- the fuzzer ------------------------------------------------------------------------------------------------------
