@@ -10,6 +10,7 @@ whether it fits this machine's memory (moecg.memory). Every error names the conf
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -23,7 +24,7 @@ from moecg.config.dispatch import resolve_dispatch
 from moecg.config.measure import MeasureConfig, MeasurePlan
 from moecg.config.model import ModelConfig, ModelPlan, check_attn_implementation
 from moecg.config.parallel import ParallelConfig
-from moecg.config.readers import PlanError, as_choice, as_float, as_int, read_group
+from moecg.config.readers import PlanError, as_choice, as_int, read_group
 from moecg.config.root import RunConfig, read_run
 from moecg.config.strategy import StrategyConfig
 from moecg.dispatch import Dispatcher
@@ -253,8 +254,9 @@ def _check_ragged(model: ModelPlan, compile_: bool, workload: str) -> None:
 def _parallel(p: ParallelConfig, device: torch.device, model: ModelPlan, dispatchers, compile_: bool,
               workload: WorkloadPlan) -> tuple[ParallelPlan, torch.device]:
     """The expert-parallel plan and this rank's device."""
-    if not isinstance(p.timeout_s, bool) and isinstance(p.timeout_s, (int, float)):
-        as_float(p.timeout_s, "parallel.timeout_s", 0.0, strict=True, example=300)  # finite: a timedelta of inf fails
+    t = p.timeout_s
+    if not isinstance(t, bool) and isinstance(t, float) and not math.isfinite(t):  # a timedelta of inf fails later
+        raise PlanError(f"parallel.timeout_s={t}: must be a finite number of seconds > 0 (e.g. parallel.timeout_s=300)")
     try:
         parallel = resolve_parallel(p, device, ADAPTERS[model.family].num_experts(model.config), dispatchers, compile_)
     except ParallelError as e:
