@@ -29,7 +29,7 @@ import torch
 
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.floor import device_bandwidth_gbps, expert_bytes
-from moecg.report import env_fields
+from moecg.report import env_fields, write_json
 from moecg.models import build_model
 
 CASES = [  # label, dispatch, kwargs
@@ -196,7 +196,7 @@ def main(argv=None):
         Path(args.out).write_text(text + "\n")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "rows": rows}, indent=2))
+        write_json(args.json, {"env": env, "args": vars(args), "rows": rows})
     return 0
 
 

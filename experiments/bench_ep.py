@@ -38,7 +38,7 @@ from moecg.engine import DecodeEngine
 from moecg.floor import device_bandwidth_gbps, device_nvlink_gbps, exchange_floor_ms, step_floor_ms
 from moecg.models import build_model, resolve_device
 from moecg.parallel import EPGroup, init_group, parallelize, shard_experts, torchrun_env
-from moecg.report import env_fields
+from moecg.report import env_fields, write_json
 
 CASES = [  # dispatch, strategy
     ("dropless", "eager"), ("dropless", "partial"), ("dropless", "layer"), ("dropless", "full"),
@@ -207,9 +207,8 @@ def main(argv=None) -> None:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(table + "\n")
         if args.json:
-            Path(args.json).write_text(json.dumps({"env": env_fields(), "args": vars(args), "ranks": R,
-                                                   "skipped": {n: MEGATRON_NEEDS_CUDA for n in sorted(skipped)},
-                                                   "rows": rows}, indent=2))
+            write_json(args.json, {"env": env_fields(), "args": vars(args), "ranks": R,
+                                   "skipped": {n: MEGATRON_NEEDS_CUDA for n in sorted(skipped)}, "rows": rows})
     group.close()
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from moecg.capture import DEFAULT_BUCKETS, Capture, validate_buckets
-from moecg.report import env_fields, write_report
+from moecg.report import env_fields, write_json, write_report
 
 PHASES = ("setup_s", "precompile_s", "first_warmup_s", "jit_s", "steady_warmup_s", "graph_capture_s", "other_s")
 
@@ -256,7 +256,7 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e).replace("capture.buckets", "--buckets"))
     if args.child:
-        Path(args.child).write_text(json.dumps(measure(args)))
+        write_json(args.child, measure(args), indent=None)
         return 0
     if args.cache_dir and Path(args.cache_dir).exists() and any(Path(args.cache_dir).iterdir()):
         ap.error(f"--cache-dir {args.cache_dir} is not empty: a cold run needs an empty cache (give a new directory)")

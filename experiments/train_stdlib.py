@@ -42,6 +42,7 @@ from moecg.models import build_model
 from moecg.models.adapter import ADAPTERS
 from moecg.models.zoo import FAMILIES, PRESETS, family_of_config, make_config
 from moecg.quality import heldout_bpb, heldout_expert_load
+from moecg.report import write_json
 
 # Shapes for ~4-5M parameters (8-10 MB in bf16) live in moecg/models/zoo.py PRESETS (*_stdlib), the same
 # presets `model=mixtral_stdlib` loads the shipped weights into.
@@ -320,7 +321,7 @@ def evaluate(model_dir: Path, device: str, max_bytes: int | None, seed: int) -> 
 
 
 def write_card(model_dir: Path, card: dict) -> None:
-    (model_dir / "card.json").write_text(json.dumps(card, indent=1) + "\n")
+    write_json(model_dir / "card.json", card, indent=1)
     h, r, p = card["heldout"], card["random_init"]["heldout"], card["heldout_prefix"]
     cap = f"bpb_capacity_{EVAL_CAPACITY_FACTOR}"
     d = card["data"]

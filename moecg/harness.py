@@ -333,11 +333,16 @@ def _serve(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
     out.update(workload=wl.name, workload_rate=wl.rate, workload_file=wl.file, max_batch=wl.max_batch,
                max_cache_len=plan.max_cache_len, seed=plan.seed, prompts=plan.prompts_kind,
                capacity=drops["capacity_used"] if dispatcher.drops else None, **_capture_fields(plan, stats),
-               latency_noisy=None, **_memory_fields(plan, built, group),
+               **_memory_fields(plan, built, group),
                kv_bytes_per_token=kv_bytes_per_token(model, built.adapter),
                hbm_bandwidth_gbps=m.hbm_bandwidth_gbps, bandwidth_source=m.bandwidth_source, **_drop_fields(drops))
     out.update(request_metrics(tl.requests))
     out.update(step_metrics(tl.steps, tl.prefills, tl.drops_by_batch))
+    spread = out["latency_spread"]
+    out["latency_noisy"] = bool(spread is not None and spread > NOISY_SPREAD)
+    if out["latency_noisy"]:
+        phases.say(f"warning: p90/p50 = {spread:.2f} over decode steps of equal rows: the steps were not steady (busy "
+                   "machine?); re-run before quoting output_tokens_per_s and the latencies")
     if alone is not None:
         out["token_agreement_vs_eager"] = token_agreement(alone, tl.tokens)
     if hf is not None:
@@ -353,8 +358,10 @@ def _serve(plan: RunPlan, progress, phases: Phases, group: EPGroup) -> dict:
     out["status"], out["config"] = "ok", None
     cap.unwrap()
     detach(model)
+    # gpu_idle_share on CPU: perf_counter gaps between steps, i.e. the host's own scheduling time, no GPU involved
+    idle = "GPU idle" if dev.type == "cuda" else "host time between steps"
     phases.say(f"served {out['n_requests']} requests: {out['output_tokens_per_s']:.1f} output tokens/s, p90 TPOT "
-               f"{_ms(out['tpot_ms_p90'])}, GPU idle {_pct(out['gpu_idle_share'])}"
+               f"{_ms(out['tpot_ms_p90'])}, {idle} {_pct(out['gpu_idle_share'])}"
                + (f"; transformers' continuous batching {out['anchor_output_tokens_per_s']:.1f} tokens/s, p90 TPOT "
                   f"{_ms(out['anchor_tpot_ms_p90'])}" if hf is not None else ""))
     return ok_record(out)

@@ -61,9 +61,12 @@ class WandbLogger:
 
     def finish(self) -> None:
         try:
+            offline, where = self.run.settings.mode == "offline", self.run.settings.sync_dir
             self.run.finish()
         except Exception:  # noqa: BLE001
-            pass
+            return
+        if offline:  # nothing was uploaded: say where the run is and how to upload it
+            print(f"moecg: wandb offline run in {where}; upload it with: wandb sync {where}")
 
 
 def _sweep_group():

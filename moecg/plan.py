@@ -9,6 +9,8 @@ whether it fits this machine's memory (moecg.memory). Every error names the conf
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -20,7 +22,7 @@ from moecg.capture.plan import StrategyError, StrategySpec, validate
 from moecg.config.capture import CaptureConfig, CapturePlan
 from moecg.config.dispatch import resolve_dispatch
 from moecg.config.measure import MeasureConfig, MeasurePlan
-from moecg.config.model import ModelConfig, ModelPlan
+from moecg.config.model import ModelConfig, ModelPlan, check_attn_implementation
 from moecg.config.parallel import ParallelConfig
 from moecg.config.readers import PlanError, as_choice, as_int, read_group
 from moecg.config.root import RunConfig, read_run
@@ -118,9 +120,11 @@ def resolve_plan(cfg) -> RunPlan:
         cfg.get("workload"), model, prompts_kind, seed, (batch, prompt_len, new_tokens, max_cache_len),
         run.max_cache_len)
     try:
-        dtype = resolve_dtype(model.dtype, device)
+        dtype = resolve_dtype(model.dtype if isinstance(model.dtype, str) or model.dtype is None else repr(model.dtype),
+                              device)
     except ValueError as e:
         raise PlanError(str(e)) from None
+    check_attn_implementation(model, device)
 
     dispatcher, prefill_dispatcher = resolve_dispatch(cfg.get("dispatch"))
     prefill_chunk = _prefill_chunk(run.prefill_chunk, prefill_dispatcher or dispatcher, workload.name)
@@ -136,7 +140,6 @@ def resolve_plan(cfg) -> RunPlan:
     captures = spec.scope != "eager" and resolved_backend != "none"
     bucket = bucket_for(batch, capture.buckets) if captures else None
     measure = measure_cfg.resolve(device, model, None if workload.serving else new_tokens, parallel.ep)
-    prompts = _prompts(prompts_kind, run, batch, prompt_len, seed, model, parallel, workload.serving)
     # the eager baseline (HF modules, same dispatch) is timed unless the run itself is that path
     needs_baseline = measure.eager_baseline and (spec.scope != "eager" or capture.kernels != "hf") \
         and not workload.serving
@@ -145,12 +148,16 @@ def resolve_plan(cfg) -> RunPlan:
         scopes=tuple(scopes) if scopes is not None else None, dispatcher=dispatcher,
         prefill_dispatcher=prefill_dispatcher, capture=capture, measure=measure, workload=workload, parallel=parallel,
         batch_size=batch, prompt_len=prompt_len, new_tokens=new_tokens, max_cache_len=max_cache_len,
-        prefill_chunk=prefill_chunk, seed=seed, prompts_kind=prompts_kind, prompts=prompts, captures=captures,
+        prefill_chunk=prefill_chunk, seed=seed, prompts_kind=prompts_kind, prompts=_NO_PROMPTS, captures=captures,
         bucket=bucket, max_rows=max(bucket or batch, batch), needs_baseline=needs_baseline,
         decode_steps=_decode_steps(measure, needs_baseline, workload, new_tokens),
     )
-    check_fits(plan)
-    return plan
+    check_fits(plan)  # before the prompts are drawn: a batch that cannot fit is refused, not allocated
+    prompts = _prompts(prompts_kind, run, batch, prompt_len, seed, model, parallel, workload.serving)
+    return dataclasses.replace(plan, prompts=prompts)
+
+
+_NO_PROMPTS = torch.zeros(0, 0, dtype=torch.long)
 
 
 def _fixed_shape(run: RunConfig, serving: bool) -> tuple[int, int, int, int, int | None]:
@@ -171,10 +178,14 @@ def _fixed_shape(run: RunConfig, serving: bool) -> tuple[int, int, int, int, int
 
 
 def _device(device) -> torch.device:
+    if device is not None and not isinstance(device, str):
+        raise PlanError(f"device={device!r}: choose auto, cpu or cuda (cuda:N for one GPU)")
     try:
         return resolve_device(device)
     except ValueError as e:
         raise PlanError(str(e)) from None
+    except RuntimeError:  # torch's own parse of the string
+        raise PlanError(f"device={device!r}: choose auto, cpu or cuda (cuda:N for one GPU)") from None
 
 
 def _workload(w, model: ModelPlan, prompts_kind: str, seed: int, fixed: tuple, max_cache_len) -> tuple:
@@ -244,6 +255,9 @@ def _check_ragged(model: ModelPlan, compile_: bool, workload: str) -> None:
 def _parallel(p: ParallelConfig, device: torch.device, model: ModelPlan, dispatchers, compile_: bool,
               workload: WorkloadPlan) -> tuple[ParallelPlan, torch.device]:
     """The expert-parallel plan and this rank's device."""
+    t = p.timeout_s
+    if not isinstance(t, bool) and isinstance(t, float) and not math.isfinite(t):  # a timedelta of inf fails later
+        raise PlanError(f"parallel.timeout_s={t}: must be a finite number of seconds > 0 (e.g. parallel.timeout_s=300)")
     try:
         parallel = resolve_parallel(p, device, ADAPTERS[model.family].num_experts(model.config), dispatchers, compile_)
     except ParallelError as e:

@@ -1,17 +1,25 @@
-"""What every result carries about where it ran (environment fields), and how benchmark scripts write reports."""
+"""What every result carries about where it ran (environment fields), how benchmark scripts write reports, and the
+one JSON writer of results and records (`write_json`: strict JSON, atomic)."""
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 import transformers
 
 import moecg
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once: mkstemp makes 0600 files, a written record gets the mode open() would give it
 
 
 def percentile(xs, q):
@@ -47,4 +55,40 @@ def write_report(table: str, rows, args, out: str | None, json_path: str | None)
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(table + "\n")
     if json_path:
-        Path(json_path).write_text(json.dumps({"env": env_fields(), "args": vars(args), "rows": rows}, indent=2))
+        write_json(json_path, {"env": env_fields(), "args": vars(args), "rows": rows})
+
+
+def strict(obj):
+    """obj with every non-finite float (NaN, +-Infinity) as None, through dicts, lists and tuples: what strict JSON
+    can hold (json.dumps would write bare NaN, which no JSON parser but Python's reads)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj
+
+
+def dumps(obj, **kw) -> str:
+    """Strict JSON (null, never NaN/Infinity); objects JSON has no type for (paths, dtypes) as their str."""
+    return json.dumps(strict(obj), allow_nan=False, default=str, **kw)
+
+
+def write_json(path, obj, indent: int | None = 2) -> Path:
+    """Write obj as strict JSON, atomically: a temp file in the same directory, then os.replace, so a job killed
+    mid-write leaves the old file or the new one, never half of one."""
+    path = Path(path)
+    text = dumps(obj, indent=indent) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

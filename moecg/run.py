@@ -1,21 +1,31 @@
 """`python -m moecg.run [overrides]`: one experiment (or a Hydra multirun sweep) -> results.json + a summary table."""
 from __future__ import annotations
 
-import json
 import math
+import os
+import re
+import shutil
 import sys
 import traceback
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException, ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 import moecg.config  # noqa: F401  (registers the config groups before Hydra composes)
 from moecg.callbacks import one_line
+from moecg.config.dispatch import options as dispatch_options
+from moecg.config.readers import unknown_key
+from moecg.config.root import RootConfig
+from moecg.config.workload import WORKLOADS
 from moecg.harness import Phases, plan_of, run_experiment
 from moecg.logger import NullLogger, make_logger
 from moecg.parallel.job import RankJob
+from moecg.report import write_json
 from moecg.schema import SERVING, SUMMARY, axes_from_config, failed_record
 
 
@@ -38,10 +48,24 @@ def print_summary(res: dict) -> None:
         table.add_row(k, _fmt(res.get(k)))
     console = Console()
     console.print(table)
+    caveat = eager_caveat(res)
+    if caveat:
+        console.print(f"[yellow]{caveat}[/yellow]")
+
+
+def eager_caveat(res: dict) -> str | None:
+    """The summary's warning whenever no CUDA graph ran (no capture, or capture.backend=emulate's CPU stand-in):
+    the latencies, and any comparison with transformers, are then eager times of this device."""
+    dev, anchor = res.get("device"), res.get("anchor_output_tokens_per_s") is not None
+    beside = " (transformers' continuous batching beside it, too)" if anchor else ""
     if not res.get("captured"):
-        console.print(f"[yellow]No CUDA graphs were captured on {res.get('device')}: every strategy ran eagerly with "
-                      f"dispatch={res.get('dispatch')}. Latencies are eager {res.get('device')} times; drop rates, "
-                      "load imbalance and fidelity are real.[/yellow]")
+        return (f"No CUDA graphs were captured on {dev}: every strategy ran eagerly with dispatch={res.get('dispatch')}. "
+                f"Latencies are eager {dev} times{beside}; drop rates, load imbalance and fidelity are real.")
+    if res.get("capture_backend") != "cuda":
+        return (f"No CUDA graph ran on {dev}: capture.backend={res.get('capture_backend')} replays the captured pieces "
+                f"eagerly (a stand-in that tests the capture logic). Latencies are eager {dev} times{beside}; drop "
+                "rates, load imbalance and fidelity are real.")
+    return None
 
 
 def _job_dir(cfg) -> Path:
@@ -71,7 +95,7 @@ def main(cfg: DictConfig) -> None:
             results_path = job.out_dir / cfg.results_file
             res["status"] = "ok"
             res["config"] = OmegaConf.to_container(cfg, resolve=True)
-            results_path.write_text(json.dumps(res, indent=2, default=str))
+            write_json(results_path, res)
             logger = make_logger(cfg, job.out_dir)
             logger.log_results(res)
             print_summary(res)
@@ -93,8 +117,6 @@ def main(cfg: DictConfig) -> None:
 
 
 def _run_with_progress(cfg, job: RankJob | None = None) -> dict:
-    import os
-
     from rich.progress import Progress
 
     job = job or RankJob(Path("."))
@@ -121,7 +143,7 @@ def _record_failure(cfg, e: BaseException, results_path: Path, prefix: str = "")
                         getattr(e, "moecg_phase", "setup"),
                         getattr(e, "child_traceback", None) or "".join(traceback.format_exception(e)),
                         config, axes_from_config(config))
-    results_path.write_text(json.dumps(err, indent=2, default=str))
+    write_json(results_path, err)
     print(f"moecg: job failed: {one_line(err['error'])} (details and traceback: {results_path})", file=sys.stderr)
 
 
@@ -229,6 +251,81 @@ def _is_multirun() -> bool:
         return False
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m moecg.run`: Hydra's entry, with the refusals Hydra raises before moecg's code runs (an override of
+    a key the chosen group option does not have, a launcher that cannot run here) worded as one line with the fix.
+
+    Hydra prints its own errors unless HYDRA_FULL_ERROR=1, so it is set while Hydra runs and the error is caught
+    here; a user who set HYDRA_FULL_ERROR=1 gets Hydra's full traceback, as always."""
     _register_launcher_defaults()
-    main()
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        main()
+        return
+    before = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except Exception as e:  # noqa: BLE001 - Hydra's and its launcher's own errors: moecg's job errors never get here
+        line = override_hint(e) or slurm_hint(e)
+        if line is not None:
+            print(f"moecg: {line}", file=sys.stderr)
+        elif isinstance(e, CompactHydraException):  # as Hydra prints it
+            print(str(e), file=sys.stderr)
+            if isinstance(e.__cause__, OmegaConfBaseException):
+                print(str(e.__cause__), file=sys.stderr)
+        else:
+            traceback.print_exception(e)
+        raise SystemExit(1) from None
+    finally:
+        if before is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = before
+
+
+# group -> its options' node classes, for a key the chosen option lacks (the other options may have it)
+def _option_nodes() -> dict[str, dict[str, type]]:
+    return {"workload": dict(WORKLOADS), "dispatch": dispatch_options(),
+            **{f.name: {"": f.default_factory} for f in fields(RootConfig) if is_dataclass(f.default_factory)}}
+
+
+def override_hint(e: BaseException) -> str | None:
+    """One line for Hydra's refusal of an override whose key the config does not have (`workload.rate=8` with
+    workload=fixed: "Key 'rate' is not in struct"): the group option that has it, or the nearest key; None for any
+    other error (Hydra's own message stands)."""
+    cause = e.__cause__
+    key = getattr(cause, "full_key", None)
+    if not isinstance(e, ConfigCompositionException) or not isinstance(cause, (ConfigAttributeError, ConfigKeyError)) \
+            or not key:
+        return None
+    given = re.search(r"use \+(\S+)", str(e))
+    given = given.group(1) if given else key
+    group, _, leaf = key.rpartition(".")
+    if not group:
+        return unknown_key(key, None, [f.name for f in fields(RootConfig)]).args[0]
+    nodes = _option_nodes().get(group)
+    if nodes is None or "." in group:
+        return None
+    takers = [name for name, cls in nodes.items() if name and leaf in {f.name for f in fields(cls)}]
+    chosen = getattr(getattr(cause, "object_type", None), "__name__", None)
+    chosen = next((name for name, cls in nodes.items() if cls.__name__ == chosen), None)
+    if takers:
+        picks = " or ".join(f"{group}={t}" for t in takers)
+        return (f"{key} belongs to {picks}{f', not {group}={chosen}' if chosen else ''}: add {group}={takers[0]} "
+                f"(python -m moecg.run {group}={takers[0]} {given})")
+    known = sorted({f.name for cls in nodes.values() for f in fields(cls)} - {"name"})
+    return unknown_key(key, group, known).args[0]
+
+
+def slurm_hint(e: BaseException) -> str | None:
+    """One line for submitit's SLURM launcher started where there is no SLURM (it raises from inside the launch,
+    "Could not detect srun", after Hydra has composed the sweep)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if shutil.which("srun") is None and any("submitit" in f.filename and "slurm" in f.filename for f in frames):
+        return ("hydra/launcher=submitit_slurm: not on a SLURM cluster (no srun on PATH): use "
+                "hydra/launcher=submitit_local to run the sweep on this machine, or run on the cluster's login node")
+    return None
+
+
+if __name__ == "__main__":
+    cli()

@@ -140,7 +140,7 @@ FIELDS: tuple[Field, ...] = (
        "first measure.skip_steps steps of each repeat dropped; serving: every step, whatever its batch)", _S, _A),
     _f("ms_per_token_p90", "latency", "90th percentile of the same steps", _S),
     _f("latency_spread", "latency", "p90 / p50 of the steps (the larger of the run's and its eager baseline's); "
-       "null when serving (batch sizes vary)"),
+       "serving: of the steps that ran the same rows, the largest over rows values with >= 5 steps (null if none)"),
     _f("latency_noisy", "latency", "latency_spread above 1.5: the machine was busy or the clock is coarse; "
        "re-run before quoting the latency", _S),
     _f("tokens_per_s", "latency", "batch_size x ep / p50 (every rank's rows; serving: see output_tokens_per_s)", _S),

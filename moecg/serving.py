@@ -299,9 +299,24 @@ def gpu_idle_share(steps: list[Step], prefills: list[tuple[float, float]]) -> fl
     return idle / busy
 
 
+STEADY_MIN_STEPS = 5  # steps of one rows-run value needed before their spread says anything
+
+
+def rows_spread(steps: list[Step]) -> float | None:
+    """p90 / p50 of the decode steps that ran the same rows, the largest over the rows values with at least
+    STEADY_MIN_STEPS steps: a step's cost is set by its rows (the bucket, or the live batch without graphs), so
+    steps of one rows value that differ say the machine was busy. None when no rows value has enough steps."""
+    by_rows: dict[int, list[float]] = {}
+    for s in steps:
+        by_rows.setdefault(s.rows, []).append(s.end_s - s.start_s)
+    spreads = [percentile(ts, 0.9) / percentile(ts, 0.5) for ts in by_rows.values()
+               if len(ts) >= STEADY_MIN_STEPS and percentile(ts, 0.5) > 0]
+    return max(spreads) if spreads else None
+
+
 def step_metrics(steps: list[Step], prefills, drops_by_batch: dict | None) -> dict:
     """Histograms of live batch sizes and rows run, padding waste (pad rows / rows run), step latency p50/p90,
-    drop rate per batch size (dispatchers that drop), GPU idle share."""
+    drop rate per batch size (dispatchers that drop), GPU idle share, the spread of steps of equal rows."""
     batch_hist, rows_hist = {}, {}
     for s in steps:
         batch_hist[s.batch] = batch_hist.get(s.batch, 0) + 1
@@ -318,4 +333,5 @@ def step_metrics(steps: list[Step], prefills, drops_by_batch: dict | None) -> di
         "drop_rate_by_batch": None if drops_by_batch is None else
         {str(m): (d / r if r else 0.0) for m, (r, d) in sorted(drops_by_batch.items())},
         "gpu_idle_share": gpu_idle_share(steps, prefills),
+        "latency_spread": rows_spread(steps),
     }

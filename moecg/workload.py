@@ -25,6 +25,8 @@ from moecg.quality import heldout_prompts
 NAMES = tuple(WORKLOADS)  # fixed | poisson | trace
 KEYS = {n: tuple(f.name for f in fields(cls)) for n, cls in WORKLOADS.items()}  # what each reads; others are refused
 TRACE_FIELDS = ("arrival_s", "prompt_len", "output_len")
+MAX_REQUESTS = 100_000  # workload=poisson: requests in one run
+MAX_ARRIVAL_S = 86_400  # workload=poisson: the expected arrival span (n_requests / rate), served in real time
 SAMPLE_TRACE = Path(__file__).resolve().parent / "data" / "sample_trace.jsonl"
 _EXAMPLE = '{"arrival_s": 0.25, "prompt_len": 32, "output_len": 16}'
 
@@ -107,6 +109,12 @@ def resolve_workload(w, *, vocab: int, prompts_kind: str, max_cache_len, max_pos
     if name == "poisson":
         rate = as_float(c.rate, "workload.rate", 0.0, strict=True, example=4.0)
         n = as_int(c.n_requests, "workload.n_requests", 1, 32)
+        if n > MAX_REQUESTS:  # every request's prompt is drawn in the plan
+            raise PlanError(f"workload.n_requests={n}: at most {MAX_REQUESTS} requests in one run (every prompt is "
+                            f"drawn up front): lower workload.n_requests")
+        if n / rate > MAX_ARRIVAL_S:
+            raise PlanError(f"workload.rate={rate:g}: {n} requests would arrive over about {n / rate:.3g} s, served in "
+                            f"real time (at most {MAX_ARRIVAL_S} s): raise workload.rate (e.g. workload.rate=4)")
         requests = poisson_requests(rate, n, c.prompt_len, c.output_len, seed)
         where = lambda r: "workload.prompt_len/output_len"  # noqa: E731
         shorten = "lower workload.prompt_len/output_len"

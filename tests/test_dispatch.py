@@ -487,8 +487,11 @@ def test_make_dispatcher_errors_name_the_fix():
     choices = r"\['capacity', 'dropless', 'dynamic', 'fused'\]"
     with pytest.raises(ValueError, match=r"unknown dispatch 'nope': choose one of " + choices):
         make_dispatcher("nope")
-    for bad in (0, -1.0, float("nan")):
+    for bad in (0, -1.0):
         with pytest.raises(ValueError, match=r"capacity_factor=.*must be > 0"):
+            make_dispatcher("capacity", capacity_factor=bad)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"capacity_factor=(nan|inf): dispatch=capacity needs a finite number"):
             make_dispatcher("capacity", capacity_factor=bad)
     with pytest.raises(ValueError, match=r"drop_policy='random': choose one of \('probs', 'position'\)"):
         make_dispatcher("capacity", drop_policy="random")

@@ -44,13 +44,15 @@ def resolve_dispatch(node) -> tuple[Dispatcher, Dispatcher | None]:
     values are type-checked against its fields."""
     d = plain(node)
     name = d.get("name")
-    if name not in REGISTRY:
+    if not isinstance(name, str) or name not in REGISTRY:
         raise PlanError(f"dispatch={name!r}: choose one of {', '.join(sorted(REGISTRY))}")
     try:
         dispatcher = make_dispatcher(name, **{k: v for k, v in d.items() if k not in ("name", "prefill")})
     except (ValueError, TypeError) as e:
         raise PlanError(str(e)) from None
     prefill = d.get("prefill", PREFILL)
+    if not (prefill is None or isinstance(prefill, str)):
+        raise PlanError(f"dispatch.prefill={prefill!r}: choose same or one of {', '.join(sorted(REGISTRY))}")
     if prefill in (None, "same", name):
         return dispatcher, None
     if prefill in REGISTRY:

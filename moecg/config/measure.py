@@ -54,9 +54,11 @@ class MeasureConfig:
                                 f"{model.config.vocab_size}): use a *_stdlib model or measure.heldout_bpb=auto")
         repeats = as_int(self.repeats, "measure.repeats", 1, 3)
         skip = as_int(self.skip_steps, "measure.skip_steps", 0, 2)
-        if new_tokens is not None and skip >= new_tokens - 1 and new_tokens > 1:
-            raise PlanError(f"measure.skip_steps={skip} leaves none of the {new_tokens - 1} decode steps to time: "
-                            f"lower measure.skip_steps or raise new_tokens")
+        if new_tokens is not None and skip >= new_tokens - 1:
+            # the prefill makes the first token: new_tokens - 1 decode steps, the first skip_steps of them untimed
+            raise PlanError(f"measure.skip_steps={skip} leaves none of the {new_tokens - 1} decode steps to time "
+                            f"(new_tokens={new_tokens}, the first token by the prefill): raise new_tokens to at least "
+                            f"{skip + 2} or lower measure.skip_steps")
         return MeasurePlan(
             repeats=repeats, skip_steps=skip, eager_baseline=as_bool(self.eager_baseline, "measure.eager_baseline"),
             fidelity=as_bool(self.fidelity, "measure.fidelity"),

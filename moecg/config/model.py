@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from transformers import AutoConfig
+from transformers.utils import (is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available,
+                                is_kernels_available, is_torch_flex_attn_available)
 
 from moecg.config.readers import PlanError, as_float, as_int
 from moecg.models import FAMILIES, PRESETS, _attn_implementation, make_config, shipped_checkpoint
@@ -45,14 +49,17 @@ class ModelConfig:
             except Exception as e:  # noqa: BLE001
                 raise PlanError(f"model.pretrained_path={path}: cannot read its config.json ({type(e).__name__}: {e})")
             if num_layers is not None:
+                _check_depth(num_layers, int(config.num_hidden_layers), f"the checkpoint at {path}")
                 config.num_hidden_layers = num_layers
             path = str(p)
         else:
             if preset is None:
                 raise PlanError("model.preset is null and no model.pretrained_path: pick model=<preset> "
                                 f"({', '.join(sorted(PRESETS))}) or model=local model.pretrained_path=/dir")
-            if preset not in PRESETS:
+            if not isinstance(preset, str) or preset not in PRESETS:
                 raise PlanError(f"model.preset={preset!r}: choose one of {', '.join(sorted(PRESETS))}")
+            if num_layers is not None:
+                _check_depth(num_layers, int(make_config(preset).num_hidden_layers), f"model={preset}")
             config = make_config(preset, num_layers)
             if shipped_checkpoint(preset):
                 path = None  # build_model finds the shipped weights itself
@@ -62,6 +69,51 @@ class ModelConfig:
             raise PlanError(f"model: {e}") from None
         return ModelPlan(preset, path, num_layers, self.dtype, skew, self.attn_implementation, family, config,
                          int(config.num_hidden_layers))
+
+
+# HF's flash attention versions and their availability checks (they look for the package, never import it)
+FLASH = {"flash_attention_2": is_flash_attn_2_available, "flash_attention_3": is_flash_attn_3_available,
+         "flash_attention_4": is_flash_attn_4_available}
+
+
+def attn_implementations(model_cls, device: torch.device) -> tuple[str, ...]:
+    """The attention implementations this install can run for an HF model class on this device (the class's own
+    `_supports_*` flags and transformers' availability helpers: nothing heavy is imported)."""
+    out = ["eager"]
+    if getattr(model_cls, "_supports_sdpa", False):
+        out.append("sdpa")
+    if getattr(model_cls, "_supports_flex_attn", False) and is_torch_flex_attn_available():
+        out.append("flex_attention")
+    if getattr(model_cls, "_supports_flash_attn", False) and device.type == "cuda":
+        out += [name for name, available in FLASH.items() if available()]
+    return tuple(out)
+
+
+def check_attn_implementation(model: ModelPlan, device: torch.device) -> None:
+    """model.attn_implementation against what this install has, before the model is built (HF raises at build)."""
+    _, cls = FAMILIES[model.family]
+    asked = model.attn_implementation
+    if not isinstance(asked, str):
+        raise PlanError(f"model.attn_implementation={asked!r}: must be a string (e.g. model.attn_implementation=sdpa)")
+    here = attn_implementations(cls, device)
+    if _attn_implementation(cls, asked) in here or ("/" in asked and is_kernels_available()):
+        return  # a hub kernel (`kernels-community/...`) is resolved by HF's `kernels` package itself
+    if asked in FLASH and getattr(cls, "_supports_flash_attn", False):
+        why = "needs a CUDA device" if device.type != "cuda" and FLASH[asked]() else \
+            f"its package is not installed (pip install {'flash-attn' if asked == 'flash_attention_2' else 'kernels'})"
+    elif asked in (*FLASH, "sdpa", "flex_attention"):
+        why = f"{cls.__name__} has no {asked} path"
+    else:
+        why = "not an attention implementation transformers knows"
+    raise PlanError(f"model.attn_implementation={asked}: {why}; this install runs {', '.join(here)} for "
+                    f"{model.family} on {device.type}: pick one of them")
+
+
+def _check_depth(num_layers: int, depth: int, what: str) -> None:
+    """model.num_layers cuts the depth (the first N decoder layers); it never adds layers the model does not have."""
+    if num_layers > depth:
+        raise PlanError(f"model.num_layers={num_layers}: {what} has {depth} decoder layers and num_layers only cuts "
+                        f"the depth: give 1 to {depth} (or model.num_layers=null for all {depth})")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ records what it routed and dropped. It knows nothing about CUDA graphs beyond de
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -70,6 +71,9 @@ def _coerce(name: str, key: str, value, default):
             return int(value)
     elif kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise DispatchOptionError(f"dispatch.{key}={value!r}: dispatch={name} needs a finite number here "
+                                          f"(default {default!r})")
             return float(value)
     elif kind is str:
         if isinstance(value, str):
