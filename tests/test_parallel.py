@@ -43,10 +43,12 @@ def _spawn(world: int, which: str, out: Path, timeout: float = 240) -> dict[int,
     return _spawn_on(world, which, out, "cpu", timeout)
 
 
-def _spawn_on(world: int, which: str, out: Path, device: str, timeout: float = 240) -> dict[int, dict]:
+def _spawn_on(world: int, which: str, out: Path, device: str, timeout: float = 240,
+              worker=ep_worker.run) -> dict[int, dict]:
+    """worker(rank, world, port, out, which, device) on `world` processes; each writes out/rank<r>.json."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(ep_worker.run, args=(world, _free_port(), str(out), which, device), nprocs=world,
+    ctx = mp.start_processes(worker, args=(world, _free_port(), str(out), which, device), nprocs=world,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
