@@ -1,7 +1,8 @@
 """What expert parallelism would buy, projected from one GPU: one rank of an EP-R job measured, its exchange modelled.
 
   python experiments/ep_projection.py --preset qwen3_30b_a3b --ranks 1 2 4 8 --batch 1 8 \\
-      --out experiments/results/ep_projection/qwen3_30b_a3b.md --json experiments/results/ep_projection/qwen3_30b_a3b.json
+      --out $D/qwen3_30b_a3b.md --json $D/qwen3_30b_a3b.json     # D=experiments/results/ep_projection
+  (or: bash experiments/gpu.sh ep_projection, the three shapes)
   python experiments/ep_projection.py --md experiments/results/ep_projection/*.json      # one table from the records
   python experiments/ep_projection.py --preset mixtral_8x7b --measured ...  # >= 8 GPUs: the torchrun jobs beside it
   python experiments/ep_projection.py --preset mixtral_tiny --ranks 1 2 --batch 2 --hbm-gbps 100   # CPU smoke
@@ -198,7 +199,8 @@ def project(rank_ms, bytes_, calls, R, B, floor_ms, nvl, lat_us, overlap) -> dic
 
 
 # -- the run --------------------------------------------------------------------------------------------------------
-def run_projection(args) -> list[dict]:
+def run_projection(args, save=None) -> list[dict]:
+    """Every (R, B, case) record; save(records) after each R (a run cut short keeps what it measured)."""
     device = resolve_device(args.device)
     backend = "auto" if device.type == "cuda" else "emulate"
     hbm = args.hbm_gbps or device_bandwidth_gbps(device)[0]
@@ -226,8 +228,10 @@ def run_projection(args) -> list[dict]:
                                  args.latency_us, args.overlap)}
                 records.append(rec)
                 print(f"ep_projection: {args.preset} R={R} B={B} {name}:{strategy} rank {m['ms']:.3f} ms + exchange "
-                      f"{rec['exchange_ms']:.3f} ms ({rec['collectives']} all-to-alls, {rec['exchange_bytes'] / 1e6:.2f}"
-                      f" MB) = {rec['step_ms']:.3f} ms/step", flush=True)
+                      f"{rec['exchange_ms']:.3f} ms ({rec['collectives']} all-to-alls, "
+                      f"{rec['exchange_bytes'] / 1e6:.2f} MB) = {rec['step_ms']:.3f} ms/step", flush=True)
+        if save is not None:
+            save(records)
         del model, built, disp
         gc.collect()  # HF modules hold reference cycles: the next R's build needs this one's memory back
         if device.type == "cuda":
@@ -264,7 +268,8 @@ def check_measured(ranks) -> None:
     if n < max(ranks):
         raise SystemExit(f"--measured runs EP-{max(ranks)} as a torchrun job of {max(ranks)} processes with one GPU "
                          f"each, but {n} GPU(s) are visible here: run it on a host with >= {max(ranks)} GPUs "
-                         f"(nvidia-h200-x8), or pass --ranks up to {n}; without --measured the projection needs one GPU")
+                         f"(nvidia-h200-x8), or pass --ranks up to {n}; without --measured the projection needs one "
+                         "GPU")
 
 
 # -- tables ------------------------------------------------------------------------------------------------------------
@@ -315,7 +320,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--hbm-gbps", type=float, default=None, help="HBM GB/s for the floor (default: moecg.floor's table)")
+    ap.add_argument("--hbm-gbps", type=float, default=None, help="HBM GB/s of the floor (default: moecg.floor's table)")
     ap.add_argument("--nvlink-gbps", type=float, default=NVLINK_EFFECTIVE_GBPS, help="exchange bandwidth, GB/s/dir")
     ap.add_argument("--latency-us", type=float, default=A2A_LATENCY_US, help="per all-to-all latency, us")
     ap.add_argument("--overlap", type=float, default=1.0, help="fraction of the exchange hidden (overlap column)")
@@ -333,23 +338,26 @@ def main(argv=None) -> None:
         raise SystemExit(f"--overlap {args.overlap}: a fraction in [0, 1]")
     if args.measured:
         check_measured(args.ranks)
-    records = run_projection(args)
-    if args.measured:
-        run_measured(args, records)
     env = env_fields()
     assumptions = {"nvlink_gbps": args.nvlink_gbps, "latency_us": args.latency_us, "overlap": args.overlap,
                    "nvlink_line_gbps": NVLINK_BANDWIDTH_GBPS["NVIDIA H200"], "sources": SOURCES,
                    "device_name": env["device_name"], "git_sha": env["git_sha"]}
-    text = table(records, assumptions)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "assumptions": assumptions,
-                                               "records": records}, indent=1))
 
+    def save(records) -> str:
+        text = table(records, assumptions)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text + "\n")
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "assumptions": assumptions,
+                                                   "records": records}, indent=1))
+        return text
+
+    records = run_projection(args, save)
+    if args.measured:
+        run_measured(args, records)
+    print(save(records))
 
 if __name__ == "__main__":
     sys.exit(main())

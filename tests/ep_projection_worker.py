@@ -1,18 +1,16 @@
-"""The real-rank half of tests/test_ep_projection.py: 2 gloo ranks decode with moecg.parallel (shard_experts over the
-real group, the EP dispatchers over its all-to-alls) through experiments/ep_projection.py's `measure`, and record what
-each rank holds, sends and receives, so the single-process per-rank benchmark can be checked against it.
+"""The real-rank half of the per-rank benchmark's test (tests/test_parallel.py, run inside tests/ep_worker.py's 2-rank
+spawn, whose imports dominate): each gloo rank decodes with moecg.parallel (shard_experts over the real group, the EP
+dispatchers over its all-to-alls) through experiments/ep_projection.py's `measure`, and records what it holds, sends
+and receives, so the single-process per-rank benchmark can be checked against it.
 
-Dims: R ranks, B rows per rank, L MoE layers. Each rank writes rank<r>.pt: its expert spans and slices per MoE layer,
-and per case its tokens, logits, the buffer shapes of one eager step's all-to-alls, and every all-to-all's (send,
-received) pair in call order; rank<r>.json carries the error, if any (tests/test_parallel.py's spawn reads it).
+Dims: R ranks, B rows per rank, L MoE layers. Each rank writes projection_rank<r>.pt: its expert spans and slices per
+MoE layer, and per case its tokens, logits, the buffer shapes of one eager step's all-to-alls, and every all-to-all's
+(send, received) pair in call order.
 """
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -51,31 +49,25 @@ def spans_and_slices(model, adapter):
             [(e.gate_up_proj.detach().clone(), e.down_proj.detach().clone()) for _, e in moe])
 
 
-def run(rank: int, world: int, port: int, out: str, which: str, device: str = "cpu") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def record(rank: int, world: int, group, out: str) -> Path:
+    """This rank's part (the group already joined): build, shard over `group`, run every case of the script; the
+    record's file."""
     from moecg.models import build_model
-    from moecg.parallel import init_group, shard_experts
+    from moecg.parallel import shard_experts
 
     proj = load_script()
-    group = init_group(world, "gloo", torch.device("cpu"), 120)
-    err, data = None, {}
-    try:
-        built = build_model(PRESET, dtype="fp32", device="cpu", seed=0)
-        model, adapter = built.model, built.adapter
-        shard_experts(model, group)
-        data["spans"], data["slices"] = spans_and_slices(model, adapter)
-        prompts = proj.rank_prompts(model.config.vocab_size, world, B, rank, ARGS.prompt_len)
-        for name, strategy in proj.CASES:
-            rec = Recorder(group)
-            m = proj.measure(model, adapter, proj.case_dispatcher(name, CF, rec), group, strategy, prompts, ARGS,
-                             "emulate", keep=True)
-            data[name] = {"tokens": m["result"].tokens, "logits": m["result"].logits, "shapes": m["shapes"],
-                          "calls": rec.calls}
-        torch.save(data, Path(out, f"rank{rank}.pt"))
-    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
-        err = traceback.format_exc()
-    finally:
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"error": err} if err else {}))
-        group.close()
+    data = {}
+    built = build_model(PRESET, dtype="fp32", device="cpu", seed=0)
+    model, adapter = built.model, built.adapter
+    shard_experts(model, group)
+    data["spans"], data["slices"] = spans_and_slices(model, adapter)
+    prompts = proj.rank_prompts(model.config.vocab_size, world, B, rank, ARGS.prompt_len)
+    for name, strategy in proj.CASES:
+        rec = Recorder(group)
+        m = proj.measure(model, adapter, proj.case_dispatcher(name, CF, rec), group, strategy, prompts, ARGS,
+                         "emulate", keep=True)
+        data[name] = {"tokens": m["result"].tokens, "logits": m["result"].logits, "shapes": m["shapes"],
+                      "calls": rec.calls}
+    path = Path(out, f"projection_rank{rank}.pt")
+    torch.save(data, path)
+    return path
