@@ -13,8 +13,8 @@
 #   WHEELS=<dir>         wheels installed into /tmp/site first when the folder holds any (default .whl: the packages
 #                        the H200 image lacks, built by make_wheelhouse.sh); WHEELS= skips the install
 # Suite knobs (defaults are the settings of the committed results): TESTS / TEST_K (pytest paths, -k; `tests`), VARIANTS
-# (`step_variants`), EPS / MODELS / BATCH / RUN_BATCH / STRATEGIES (`ep`), TRAIN_MODELS / MINUTES (`train_stdlib`),
-# SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`).
+# (`step_variants`), EPS / MODELS / BATCH / RUN_BATCH / STRATEGIES (`ep`), PROJ_MODELS / PROJ_TIMEOUT (`ep_projection`),
+# TRAIN_MODELS / MINUTES (`train_stdlib`), SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`).
 set -u -o pipefail
 OUT=${OUT:-experiments/results}
 PASS=new  # or old: the OLD package's pass
@@ -347,6 +347,18 @@ for j in sorted(out.glob("run_*/results.json")):
 (out / "runs.md").write_text("\n".join(rows) + "\n")
 print("\n".join(rows))
 PY
+}
+suite_ep_projection() {  # one EP-R rank measured on this one GPU, its all-to-alls modelled: R 1-8, bs 1 and 8, three shapes
+  # PROJ_MODELS: preset:num_layers, one process each (cut as the floor and ep suites cut them); PROJ_TIMEOUT per shape
+  bench ep_projection
+  local m p l
+  for m in ${PROJ_MODELS:-"mixtral_8x7b:8 qwen3_30b_a3b:12 qwen3_235b_a22b:16"}; do
+    p=${m%%:*}; l=${m#*:}
+    t "$p.log" timeout ${PROJ_TIMEOUT:-110} python3 experiments/ep_projection.py --preset "$p" ${l:+--layers "$l"} \
+      --ranks 1 2 4 8 --batch 1 8 --out "$D/$p.md" --json "$D/$p.json" | grep -E "^ep_projection|Error" | tail -16 \
+      || echo "ep_projection $p failed: $(tail -2 "$D/$p.log")"
+  done
+  compgen -G "$D/*.json" > /dev/null && python3 experiments/ep_projection.py --md "$D"/*.json | tee "$D/projection.md"
 }
 suite_smoke() {  # the three real-shape presets build in bf16 and decode
   bench smoke_real_shapes

@@ -136,6 +136,12 @@ def run(rank: int, world: int, port: int, out: str, which: str, device: str = "c
                                         .gate_up_proj.shape[0]),
                 }
             results[f"{preset}:seconds"] = time.perf_counter() - t0
+        if which == "2":  # experiments/ep_projection.py's per-rank benchmark against this real rank
+            import ep_projection_worker
+
+            t0 = time.perf_counter()
+            results["projection"] = str(ep_projection_worker.record(rank, world, group, out))
+            results["projection:seconds"] = time.perf_counter() - t0
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         results["error"] = traceback.format_exc()
     finally:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+import ep_projection_worker as epw
 import ep_worker
 from moecg.dispatch import Capacity, DispatchState, make_dispatcher
 from moecg.dispatch.dropless import Dropless
@@ -170,6 +171,66 @@ def test_exchange_bytes_are_the_buffers_sent(cls, kw, R, E, K, T):
     with torch.no_grad():
         d.forward(experts, torch.randn(T, 16), idx, w, None, None)
     assert ex.sent == d.exchange_bytes(T, K, E, 16, 4) > 0
+
+
+# -- experiments/ep_projection.py: its one-GPU rank is a real rank --------------------------------------------------
+_proj = epw.load_script()
+
+
+class Replay:
+    """The recorded exchange of one real rank: each all-to-all gets that call's received buffer; the sends are
+    compared with the recorded ones."""
+
+    def __init__(self, calls, size, rank):
+        self.calls, self.size, self.rank, self.i, self.diff, self.shapes_differ = calls, size, rank, 0, 0.0, []
+
+    def all_to_all(self, x):
+        send, recv = self.calls[self.i]
+        if x.shape != send.shape:
+            self.shapes_differ.append((self.i, list(x.shape), list(send.shape)))
+        else:
+            self.diff = max(self.diff, float((x.float() - send.float()).abs().max()) if x.numel() else 0.0)
+        self.i += 1
+        return recv.clone()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_per_rank_bench_builds_and_computes_what_a_real_rank_does(ep2, rank):
+    """experiments/ep_projection.py's rank against the real 2-rank run (tests/ep_projection_worker.py, in the ep2
+    spawn): built by the script's `build_rank`, it (1) holds the same experts and slices, (2) replaying the real rank's
+    receives, sends the same buffers call for call (the expert outputs sent back included) and decodes the same
+    tokens and logits, (3) with the script's stand-in exchange, sends buffers of the real shapes."""
+    assert "error" not in ep2[rank], ep2[rank].get("error")
+    data = torch.load(ep2[rank]["projection"])
+    built, group = _proj.build_rank(epw.PRESET, None, 2, rank, "fp32", "cpu", 0)
+    model, adapter = built.model, built.adapter
+    E = adapter.num_experts(model.config)
+    spans, slices = epw.spans_and_slices(model, adapter)
+    assert spans == data["spans"] == [(rank * E // 2, (rank + 1) * E // 2)] * len(spans)  # which experts
+    for (gu, dn), (rgu, rdn) in zip(slices, data["slices"]):
+        assert gu.shape[0] == E // 2 and torch.equal(gu, rgu) and torch.equal(dn, rdn)
+    prompts = _proj.rank_prompts(model.config.vocab_size, 2, epw.B, rank, epw.ARGS.prompt_len)
+    for name, strategy in _proj.CASES:
+        ref = data[name]
+        replay = Replay(ref["calls"], 2, rank)
+        m = _proj.measure(model, adapter, _proj.case_dispatcher(name, epw.CF, replay), group, strategy, prompts,
+                          epw.ARGS, "emulate", keep=True)
+        assert replay.i == len(ref["calls"]) > 0, f"{name}: {replay.i} all-to-alls, the real rank {len(ref['calls'])}"
+        assert not replay.shapes_differ, f"{name}: send shapes differ {replay.shapes_differ[:3]}"
+        assert replay.diff < 1e-5, f"{name}: sends (incl. the expert outputs sent back) differ by {replay.diff}"
+        assert torch.equal(m["result"].tokens, ref["tokens"]), f"{name}: tokens differ from the real rank's"
+        assert max(float((a - b).abs().max()) for a, b in zip(m["result"].logits, ref["logits"])) < 1e-4
+        # the stand-in exchange: buffers of a real rank's shapes, every all-to-all of one step
+        stand_in = _proj.measure(model, adapter, _proj.case_dispatcher(name, epw.CF, group), group, strategy,
+                                 prompts, epw.ARGS, "emulate")
+        assert stand_in["shapes"] == ref["shapes"]
+        per_layer = ref["shapes"][: len(ref["shapes"]) // len(spans)]
+        if name == "capacity":  # [R, El, C, D] there and back
+            assert [s[:2] for s in per_layer] == [[2, E // 2]] * 2
+        else:  # [R, Sm, D] rows, [R, El] counts, [R, Sm, D] back; Sm = B*min(K, El) (one bucket of B rows)
+            K = adapter.top_k(model.config)
+            assert per_layer == [[2, epw.B * min(K, E // 2), model.config.hidden_size], [2, E // 2],
+                                 [2, epw.B * min(K, E // 2), model.config.hidden_size]]
 
 
 # -- the plan: parallel.* checked before any work, each error with its key and fix ----------------------------------
