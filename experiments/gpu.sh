@@ -352,7 +352,7 @@ suite_ep_projection() {  # one EP-R rank measured on this one GPU, its all-to-al
   # PROJ_MODELS: preset:num_layers, one process each (cut as the floor and ep suites cut them); PROJ_TIMEOUT per shape
   bench ep_projection
   local m p l
-  for m in ${PROJ_MODELS:-"mixtral_8x7b:8 qwen3_30b_a3b:12 qwen3_235b_a22b:16"}; do
+  for m in ${PROJ_MODELS:-mixtral_8x7b:8 qwen3_30b_a3b:12 qwen3_235b_a22b:16}; do
     p=${m%%:*}; l=${m#*:}
     t "$p.log" timeout ${PROJ_TIMEOUT:-110} python3 experiments/ep_projection.py --preset "$p" ${l:+--layers "$l"} \
       --ranks 1 2 4 8 --batch 1 8 --out "$D/$p.md" --json "$D/$p.json" | grep -E "^ep_projection|Error" | tail -16 \
