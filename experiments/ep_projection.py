@@ -57,7 +57,7 @@ from moecg.engine import DecodeEngine
 from moecg.floor import NVLINK_BANDWIDTH_GBPS, device_bandwidth_gbps, exchange_floor_ms, step_floor_ms
 from moecg.models import build_model, resolve_device
 from moecg.parallel import EPGroup, parallelize, shard_experts
-from moecg.report import env_fields
+from moecg.report import env_fields, write_json
 
 # NCCL's effective NVLink 4 bandwidth per GPU and direction (GB/s): "450GB/s is the line rate. With the protocol
 # overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s, which you can observe as BusBw when running
@@ -350,8 +350,8 @@ def main(argv=None) -> None:
             Path(args.out).write_text(text + "\n")
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "assumptions": assumptions,
-                                                   "records": records}, indent=1))
+            write_json(args.json, {"env": env, "args": vars(args), "assumptions": assumptions, "records": records},
+                       indent=1)
         return text
 
     records = run_projection(args, save)

@@ -26,7 +26,7 @@ from moecg.capture.plan import STRATEGIES as STRATEGY_REGISTRY
 from moecg.dispatch import REGISTRY
 from moecg.dispatch.capacity import capacity
 from moecg.harness import Phases, run_experiment
-from moecg.models.adapter import adapter_for
+from moecg.models.adapter import FUSED_ATTENTION_KINDS, adapter_for
 from moecg.models.zoo import FAMILY_PRESETS, VARIANT_PRESETS, make_config
 from moecg.plan import PlanError, resolve_plan
 
@@ -81,10 +81,10 @@ def _cells(preset):
 @functools.lru_cache(maxsize=None)
 def _fused_gaps(preset) -> tuple[str, ...]:
     """What the fused step lacks for this preset, read off the declarations (the family adapter's attention kind,
-    router kind and features against what moecg.fast declares it runs), each as the plan's refusal names it."""
+    router kind and features against what the fused step declares it runs: FUSED_ATTENTION_KINDS, ...), each as the plan's refusal names it."""
     cfg = make_config(preset)
     ad = adapter_for(cfg)
-    gaps = [f"{ad.attention} attention"] if ad.attention != "standard" else []
+    gaps = [f"{ad.attention} attention"] if ad.attention not in FUSED_ATTENTION_KINDS else []
     if ad.router_kind not in fast.FUSED_ROUTER_KINDS:
         gaps.append(f"router kind {ad.router_kind!r}")
     gaps += [f for f in ad.features(cfg) if f not in getattr(fast, "FUSED_FEATURES", ())]
