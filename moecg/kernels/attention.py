@@ -186,7 +186,13 @@ def attn_splits(T: int, Hkv: int, span: int) -> int:
     experiments/results/h200/issue14_final/long_*_bs1.md), so the rule stays at ~256."""
     if span > LONG_SPAN:
         return max(1, min(256 // max(1, T * Hkv), span // 64, 128))
-    return max(1, min(128 // max(1, T * Hkv), span // 64, 16))
+    return short_splits(T, Hkv, span)
+
+
+def short_splits(T: int, groups: int, span: int) -> int:
+    """attn_splits' rule up to LONG_SPAN slots: ~128 programs over T rows x `groups` (kv heads, or MLA's head
+    blocks), at least 64 slots each, at most 16 splits."""
+    return max(1, min(128 // max(1, T * groups), span // 64, 16))
 
 
 def attn_merge_block(GP: int, Dh: int) -> int:

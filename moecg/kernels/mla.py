@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moecg.kernels.attention import short_splits
 from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, pos_stride, split_sems
 
 _LAYOUT = {"halves": 0, "pairs_to_halves": 1, "pairs": 2}
@@ -186,9 +187,9 @@ def _mla_attn_kernel(ql_ptr, qp_ptr, lat_ptr, kr_ptr, pos_ptr, o_ptr, m_ptr, l_p
 
 
 def mla_splits(T: int, head_blocks: int, span: int) -> int:
-    """Programs per (row, head block) context: ~128 programs in all when rows x head blocks are few, at least 64
-    slots each, at most 16 (the standard decode attention's short-context rule, attention.attn_splits)."""
-    return max(1, min(128 // max(1, T * head_blocks), span // 64, 16))
+    """Programs per (row, head block) context: the standard decode attention's short-context rule at every span
+    (its long-context rule was measured on standard attention only)."""
+    return short_splits(T, head_blocks, span)
 
 
 @dry_zeros
