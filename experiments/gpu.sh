@@ -14,7 +14,7 @@
 #                        the H200 image lacks, built by make_wheelhouse.sh); WHEELS= skips the install
 # Suite knobs (defaults are the settings of the committed results): TESTS / TEST_K (pytest paths, -k; `tests`), VARIANTS
 # (`step_variants`), EPS / MODELS / BATCH / RUN_BATCH / STRATEGIES (`ep`), PROJ_MODELS / PROJ_TIMEOUT (`ep_projection`),
-# TRAIN_MODELS / MINUTES (`train_stdlib`), SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`).
+# TRAIN_MODELS / MINUTES (`train_stdlib`), STDLIB_MODELS (`fidelity`, `serving_stdlib`), MLA_ATTN_ARGS (`mla_attn`), SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`).
 set -u -o pipefail
 OUT=${OUT:-experiments/results}
 PASS=new  # or old: the OLD package's pass
@@ -97,7 +97,7 @@ suite_capture_precompile() {  # capture time with and without the precompile pas
 }
 suite_fidelity() {  # the trained stdlib models on the fused step (Triton) against HF eager: free-running, teacher-forced, margins
   bench fidelity
-  t stdlib_fidelity.log python3 experiments/fidelity_fused.py --preset mixtral_stdlib qwen2_moe_stdlib --backend triton \
+  t stdlib_fidelity.log python3 experiments/fidelity_fused.py --preset ${STDLIB_MODELS:-mixtral_stdlib qwen2_moe_stdlib deepseek_v3_stdlib} --backend triton \
     --device cuda | tail -6
 }
 suite_profile() {  # per kernel without PDL (each kernel's time its own), and the default step beside it
@@ -191,6 +191,10 @@ suite_attn_splits() {  # the decode attention's time by split count at short and
   bench attn_splits
   t attn_splits.log python3 experiments/bench_attn_splits.py --out "$D/attn_splits.md" --json "$D/attn_splits.json" | tail -20
 }
+suite_mla_attn() {  # the MLA decode attention alone: time, bandwidth and share of the copy bandwidth by rows, context, splits
+  bench mla_attn
+  t mla_attn.log python3 experiments/bench_mla_attn.py ${MLA_ATTN_ARGS:-} --out "$D/mla_attn.md" --json "$D/mla_attn.json" | tail -50
+}
 suite_kernels() {  # per-op us of the fused path on one real-shape layer in a CUDA graph, MoE tile configs, vs dropless and SDPA
   bench kernels
   local p
@@ -273,7 +277,7 @@ suite_ragged_cost() {  # what per-row positions cost on the fused step, and GPU 
 suite_serving_stdlib() {  # the trained models served on the fused step: each request's tokens vs it decoded alone eagerly
   bench serving_stdlib
   local m
-  for m in mixtral_stdlib qwen2_moe_stdlib; do
+  for m in ${STDLIB_MODELS:-mixtral_stdlib qwen2_moe_stdlib deepseek_v3_stdlib}; do
     t "serve_$m.log" timeout 120 python3 -m moecg.run model=$m workload=poisson workload.rate=100 workload.n_requests=32 \
       workload.output_len=64 'workload.prompt_len=[16,128]' workload.max_batch=16 capture.kernels=fused dispatch=fused \
       strategy=full measure.fidelity_rows=32 hydra.output_subdir=null hydra.run.dir="$D/serve_$m" > /dev/null \

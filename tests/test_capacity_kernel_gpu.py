@@ -135,7 +135,8 @@ def test_captured_once_right_for_every_row_count(name):
         assert int(c.capacity) == capacity(n, K, E, 1.0)
 
 
-@pytest.mark.parametrize("preset,layers", [("qwen1_5_moe_a2_7b", 2), ("mixtral_8x7b", 2), ("qwen3_30b_a3b", 2)])
+@pytest.mark.parametrize("preset,layers", [("qwen1_5_moe_a2_7b", 2), ("mixtral_8x7b", 2), ("qwen3_30b_a3b", 2),
+                                           ("deepseek_v3", 4), ("deepseek_v2_lite", 2)])
 def test_fused_step_capacity_kernel_whole_model(preset, layers):
     """dispatch=capacity under capture.kernels=fused, captured (3 real rows in bucket 4): the Triton kernels against
     the same step with the padded PyTorch path (dispatch.kernels=torch), teacher-forced. Layer 0 sees identical
@@ -156,7 +157,7 @@ def test_fused_step_capacity_kernel_whole_model(preset, layers):
         assert capt.captured and capt.stats()["kernel_backend"] == "triton"
         if label == "huge":  # the prefill as dispatch=fused's, so the two decodes start from the same cache
             state_of(m).prefill_dispatcher = make_dispatcher("fused")
-        experts = b.adapter.experts_of(b.adapter.layers(m)[0])
+        experts = b.adapter.moe_layers(m)[0][1]
         one = torch.zeros(1, 1, dtype=torch.long, device="cuda")
         assert disp.use_triton(experts, one, one) == (label != "torch")  # the Triton path runs, or the padded one
         force = runs["torch"][0].tokens if label == "triton" else None

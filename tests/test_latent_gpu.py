@@ -70,6 +70,7 @@ def test_latent_fused_full_capture_matches_hf(preset):
     r_ref = DecodeEngine(m, 64, 8).generate(prompts, 16, keep_logits=True, timing=False)
     s_ref = state_of(m).snapshot()
     detach(m)
+    caps = []
     for strategy, disp in (("full", "fused"), ("capacity", "capacity")):
         attach(m, make_dispatcher(disp), max_rows=8)
         eng = DecodeEngine(m, 64, 8)
@@ -85,3 +86,22 @@ def test_latent_fused_full_capture_matches_hf(preset):
         assert s["tokens"] == s_ref["tokens"]
         if strategy == "full":
             assert agree >= 0.95 and s["routed_assignments"] == s_ref["routed_assignments"]
+        else:
+            caps.append((r, s))
+    # capacity on HF's modules, captured the same way and teacher-forced alike: the group-limited router and the
+    # Triton capacity kernel drop what the HF-module path drops (the first MoE layer sees the same inputs: exactly)
+    attach(m, make_dispatcher("capacity"), max_rows=8)
+    eng = DecodeEngine(m, 64, 8)
+    cap = Capture(eng, "capacity", buckets=(1, 2, 4, 8), kernels="hf").apply()
+    assert cap.captured
+    r_hf = eng.generate(prompts, 16, keep_logits=True, timing=False, force_tokens=r_ref.tokens)
+    s_hf = state_of(m).snapshot()
+    cap.unwrap()
+    detach(m)
+    (r, s), = caps
+    agree = float((r.tokens == r_hf.tokens).float().mean())
+    print(f"{preset} capacity fused vs HF modules: agreement {agree:.3f}, dropped {s['dropped_assignments']} vs "
+          f"{s_hf['dropped_assignments']} of {s_hf['routed_assignments']}")
+    assert s_hf["dropped_assignments"] > 0 and s["dropped"][0] == s_hf["dropped"][0]
+    assert s["routed_assignments"] == s_hf["routed_assignments"] and s["capacity_used"] == s_hf["capacity_used"]
+    assert agree >= 0.95
