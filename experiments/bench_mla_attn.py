@@ -1,14 +1,16 @@
-"""The absorbed MLA decode attention (moecg.kernels.triton_ops.mla_attn_decode) alone: time and bandwidth by rows,
-context and split count, against the measured copy bandwidth of the same device.
+"""The absorbed MLA decode attention (moecg.kernels.triton_ops.mla_attn_decode) alone: time, bandwidth and compute by
+rows, context, split count, tiles and merge, against the measured copy bandwidth of the same device.
 
   python experiments/bench_mla_attn.py --out experiments/results/mla_attn/mla_attn.md \
       --json experiments/results/mla_attn/mla_attn.json    # bash experiments/gpu.sh mla_attn
 
-Shapes: DeepSeek-V3 / Kimi-K2 (128 / 64 heads) and DeepSeek-V2-Lite (16 heads), 512 latent + 64 rotary dims. Per row
-count T and cache (L slots, position p): ms per call (CUDA events, median of --iters, one call per event pair, after
-warmup) for each split count, and the bandwidth of the bytes the kernel must read: the live latent and rotary keys,
-T x (p+1) x (512 + 64) x 2 bytes, plus q and the output. `copy GB/s` is a device-to-device copy of a 4 GiB tensor
-timed the same way (moecg.floor's device figure is measured so). `auto` = mla_splits' choice.
+Shapes: DeepSeek-V3 (128 heads), Kimi-K2 (64) and DeepSeek-V2-Lite (16), 512 latent + 64 rotary dims. Per row count T
+and cache (L slots, position p), each variant (tiles heads x slots w warps s stages, `m2` the separate merge kernel)
+at each split count is timed as moecg's step runs it: --reps calls back to back in one CUDA graph, median replay over
+--replays, divided by --reps (launch gaps as inside a captured step). GB/s counts the bytes the kernel must read:
+the live latent and rotary keys, T x (p+1) x (512 + 64) x 2 bytes, plus q and the output; TFLOP/s the scores and the
+value products, T x H x (p+1) x (512 + 64 + 512) x 2. `copy GB/s`: a device-to-device copy of a 4 GiB tensor, read +
+write bytes over its time (moecg.floor's device figure is measured so). `auto`: mla_tiles' and mla_splits' choice.
 """
 from __future__ import annotations
 
@@ -22,10 +24,14 @@ import torch
 from moecg.kernels import ref
 from moecg.kernels import triton_ops as tri
 from moecg.kernels.mla import mla_splits
+from moecg.kernels.tiles import MlaTiles, mla_tiles
 from moecg.report import env_fields, write_report
 
 SHAPES = {"deepseek_v3": 128, "kimi_k2": 64, "deepseek_v2_lite": 16}
 C, R = 512, 64
+TILES = {"16x32w8s3": MlaTiles(16, 32, 8, 3), "16x64w8s2": MlaTiles(16, 64, 8, 2), "16x32w4s3": MlaTiles(16, 32, 4, 3),
+         "32x32w8s2": MlaTiles(32, 32, 8, 2), "64x32w8s2": MlaTiles(64, 32, 8, 2), "64x16w8s2": MlaTiles(64, 16, 8, 2),
+         "64x32w4s2": MlaTiles(64, 32, 4, 2)}
 
 
 def time_call(fn, iters):
@@ -38,6 +44,23 @@ def time_call(fn, iters):
         b.record()
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in evs)
+
+
+def graph_ms(fn, reps: int, replays: int) -> float:
+    """ms per call of fn: reps calls captured back to back in one CUDA graph, median of `replays` replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    ms = time_call(g.replay, replays) / reps
+    del g
+    return ms
 
 
 def copy_gbps(iters: int) -> float:
@@ -54,17 +77,19 @@ def copy_gbps(iters: int) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    ap.add_argument("--contexts", nargs="+", default=["4096:4000", "32768:30000"], help="L:p")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--contexts", nargs="+", default=["256:48", "4096:4000", "32768:30000"], help="L:p")
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128])
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tiles", nargs="+", default=list(TILES), choices=list(TILES))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs CUDA")
     dev = torch.device("cuda")
-    copy = copy_gbps(args.iters)
+    copy = copy_gbps(args.replays)
     print(f"copy {copy:.0f} GB/s", flush=True)
     rows = []
     for name in args.shapes:
@@ -81,34 +106,52 @@ def main(argv=None):
                 scale = 192 ** -0.5
                 want = ref.mla_attn_decode(q_lat[:1], q_pe[:1], lat[:1], kr[:1], pos, scale).float()
                 gb = (T * (p + 1) * (C + R) * 2 + 2 * T * H * C * 2 + T * H * R * 2) / 1e9
-                n_hb = -(-H // 16)
-                auto = mla_splits(T, n_hb, L)
-                row = {"shape": name, "heads": H, "T": T, "L": L, "pos": p, "auto": auto, "copy_gbps": copy, "ms": {}}
-                for sp in sorted({*args.splits, auto}):
-                    if sp > max(1, L // 64):
+                tflop = T * H * (p + 1) * (C + R + C) * 2 / 1e12
+                auto_t = mla_tiles(T, H, C, L)
+                auto = mla_splits(T, -(-H // min(auto_t.heads, 1 << (H - 1).bit_length())), L)
+                row = {"shape": name, "heads": H, "T": T, "L": L, "pos": p, "auto_splits": auto, "auto_tiles":
+                       f"{auto_t.heads}x{auto_t.block_l}w{auto_t.warps}s{auto_t.stages}", "copy_gbps": copy, "ms": {}}
+                seen = set()
+                for tn in args.tiles:
+                    tiles = TILES[tn]
+                    hb = min(tiles.heads, 1 << (H - 1).bit_length())
+                    key = (hb, tiles.block_l, tiles.warps, tiles.stages)
+                    if key in seen:  # more heads per program than the model has: the same launch as another
                         continue
-                    o = tri.mla_attn_decode(q_lat, q_pe, lat, kr, pos, scale, splits=sp)
-                    err = float((o[:1].float() - want).abs().max())
-                    assert err < 2e-2, (name, T, L, sp, err)
-                    row["ms"][sp] = time_call(lambda: tri.mla_attn_decode(q_lat, q_pe, lat, kr, pos, scale, splits=sp),
-                                              args.iters)
+                    seen.add(key)
+                    n_hb = -(-H // hb)
+                    for sp in sorted({*(args.splits if L > 256 else (1,)), mla_splits(T, n_hb, L)}):
+                        if sp > max(1, L // 64):
+                            continue
+                        for merge in ((1,) if sp <= 8 else (1, 2) if sp <= 32 else (2,)):
+                            def fn(sp=sp, tiles=tiles, merge=merge):
+                                return tri.mla_attn_decode(q_lat, q_pe, lat, kr, pos, scale, splits=sp, tiles=tiles,
+                                                           merge=merge)
+                            err = float((fn()[:1].float() - want).abs().max())
+                            assert err < 2e-2, (name, T, L, tn, sp, merge, err)
+                            ms0 = time_call(fn, 3)  # long calls: fewer per graph and fewer replays
+                            reps = max(2, min(args.reps, int(2 / max(ms0, 1e-3))))
+                            row["ms"][f"{tn}:{sp}:m{merge}"] = graph_ms(fn, reps, args.replays if ms0 < 0.5 else 5)
+                a = f"{row['auto_tiles']}:{auto}:m{1 if auto <= tri.mla.MERGE_INLINE_MAX else 2}"
                 best = min(row["ms"], key=row["ms"].get)
-                row["best"] = best
-                row["gbps_auto"], row["gbps_best"] = gb / row["ms"][auto] * 1e3, gb / row["ms"][best] * 1e3
-                row["copy_share_auto"], row["copy_share_best"] = row["gbps_auto"] / copy, row["gbps_best"] / copy
+                row["auto"], row["best"] = a, best
+                for k in ("auto", "best"):
+                    ms = row["ms"].get(row[k], float("nan"))
+                    row[f"ms_{k}"], row[f"gbps_{k}"], row[f"tflops_{k}"] = ms, gb / ms * 1e3, tflop / ms * 1e3
+                    row[f"copy_share_{k}"] = row[f"gbps_{k}"] / copy
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "ms"}), flush=True)
                 del lat, kr, q_lat, q_pe
-    lines = [f"mla_attn_decode on {env_fields()['device_name']}, bf16, latent {C} + rotary {R}; ms per call by split "
-             f"count (auto = mla_splits); copy {copy:.0f} GB/s", "",
-             "| shape (heads) | T | L (pos) | auto | " + " | ".join(str(s) for s in args.splits)
-             + " | best | GB/s auto / best | of copy, auto / best |",
-             "|---|---|---|---|" + "---|" * len(args.splits) + "---|---|---|"]
+    lines = [f"mla_attn_decode on {env_fields()['device_name']}, bf16, latent {C} + rotary {R}, timed in CUDA graphs "
+             f"({args.reps} calls per graph); copy {copy:.0f} GB/s. Variant = tiles (heads x slots w warps s stages) : "
+             "splits : merge (m1 in the kernel, m2 the merge kernel); auto = moecg's choice", "",
+             "| shape (heads) | T | L (pos) | auto | ms | GB/s | of copy | TFLOP/s | best | ms | GB/s | of copy | TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [f"{r['ms'][s]:.4f}" if s in r["ms"] else "-" for s in args.splits]
         lines.append(f"| {r['shape']} ({r['heads']}) | {r['T']} | {r['L']} ({r['pos']}) | {r['auto']} | "
-                     + " | ".join(cells) + f" | {r['best']} | {r['gbps_auto']:.0f} / {r['gbps_best']:.0f} | "
-                     f"{r['copy_share_auto']:.0%} / {r['copy_share_best']:.0%} |")
+                     f"{r['ms_auto']:.4f} | {r['gbps_auto']:.0f} | {r['copy_share_auto']:.0%} | {r['tflops_auto']:.0f} | "
+                     f"{r['best']} | {r['ms_best']:.4f} | {r['gbps_best']:.0f} | {r['copy_share_best']:.0%} | "
+                     f"{r['tflops_best']:.0f} |")
     write_report("\n".join(lines), rows, args, args.out, args.json)
     return 0
 

@@ -13,8 +13,8 @@ grows with the context. The absorbed form reads only the cache (C + R values per
 which is the same sum as HF's q . k and p . v with the products re-associated, so it agrees with HF's module up to
 bf16 rounding of q_lat and of the latent-space output, not to the bit (tests bound the difference). One layer is:
 one GEMM for q_a (or q_proj) and kv_a_proj_with_mqa together | [q_a RMSNorm | q_b GEMM] | latent RMSNorm + rotary of
-the shared key and q_pe + cache write (ops.mla_rope_cache) | W_UK (batched GEMM) | ops.mla_attn_decode | W_UV
-(batched GEMM) | o GEMM (in moecg.fast). W_UK and W_UV are views of kv_b_proj's weight: nothing is copied but the
+the shared key and q_pe + cache write (ops.mla_rope_cache) | W_UK (ops.head_linear) | ops.mla_attn_decode | W_UV
+(ops.head_linear) | o GEMM (in moecg.fast). W_UK and W_UV are views of kv_b_proj's weight: nothing is copied but the
 concatenated first GEMM's weight.
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ def attend(ops, A: LatentAttention, h, pos, cos, sin, latents, rope_keys):
     q_pe = ops.mla_rope_cache(kv, q, pos, cos, sin, latents, rope_keys, A.kv_norm, A.kv_eps, A.n_heads, A.nope,
                               A.layout)  # [T, H, R]
     q_nope = q.view(T, A.n_heads, A.nope + A.rope)[..., : A.nope]  # [T, H, Dn]
-    q_lat = torch.bmm(q_nope.transpose(0, 1), A.w_uk)  # [H, T, C]
-    o_lat = ops.mla_attn_decode(q_lat.transpose(0, 1), q_pe, latents, rope_keys, pos, A.scaling)  # [T, H, C]
-    o = torch.bmm(o_lat.transpose(0, 1), A.w_uv.transpose(1, 2))  # [H, T, Dv]
-    return o.transpose(0, 1).reshape(T, A.n_heads * A.v_dim)
+    q_lat = ops.head_linear(q_nope, A.w_uk.transpose(1, 2))  # [T, H, C]
+    o_lat = ops.mla_attn_decode(q_lat, q_pe, latents, rope_keys, pos, A.scaling)  # [T, H, C]
+    o = ops.head_linear(o_lat, A.w_uv)  # [T, H, Dv]
+    return o.reshape(T, A.n_heads * A.v_dim)

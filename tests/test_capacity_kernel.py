@@ -246,8 +246,9 @@ def test_kernels_compile_for_hopper():
                                            BLOCK_EP=128, USE_PDL=2))
     # the routers' shared packed-key top-k (int64 keys from fp32 bits)
     build(routers._route_kernel, dict(K=4, NORM=True, BLOCK_E=64, USE_PDL=2))
-    build(routers._route_sigmoid_group_kernel, dict(K=8, KP=8, NG=8, NGP=8, TOPKG=4, NORM=True, HAS_BIAS=True,
-                                                    BLOCK_E=256, USE_PDL=2))
+    for sm in (0, 1):  # sigmoid_group, softmax_group
+        build(routers._route_group_kernel, dict(K=8 - 2 * sm, KP=8, NG=8, NGP=8, TOPKG=4 - sm, NORM=not sm,
+                                                HAS_BIAS=not sm, BLOCK_E=256 - 192 * sm, SOFTMAX=sm, USE_PDL=2))
     build(routers._route_topk_softmax_kernel, dict(K=4, KP=4, BLOCK_E=32, USE_PDL=2))
     build(norm_rope._add_rmsnorm_kernel, dict(KK=4, HAS_RES=True, HAS_SHARED=True, HAS_SGATE=True, HAS_VALID=False,
                                               CAST_LAST=False, BLOCK_D=2048, USE_PDL=2))

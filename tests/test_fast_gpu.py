@@ -241,6 +241,16 @@ def test_family_routers(T):
         s2, p2 = i2.sort(1)
         assert torch.equal(s1, s2)
         _close(w1.gather(1, p1), w2.gather(1, p2), 1e-5, 1e-6)
+    # softmax_group at DeepSeek-V2-Lite's (64 experts, greedy top-6, x1.0) and DeepSeek-V2's (160, 8 groups, 3 kept,
+    # top-6, x16) shapes
+    for E, K, G, TG, scaling in ((64, 6, 1, 1, 1.0), (160, 6, 8, 3, 16.0)):
+        logits = torch.randn(T, E, device="cuda", generator=g)
+        i1, w1 = ref.route_softmax_group(logits, K, G, TG, scaling)
+        i2, w2 = tri.route_softmax_group(logits, K, G, TG, scaling)
+        s1, p1 = i1.sort(1)
+        s2, p2 = i2.sort(1)
+        assert torch.equal(s1, s2)
+        _close(w1.gather(1, p1), w2.gather(1, p2), 1e-5, 1e-6)
     logits = torch.randn(T, 32, device="cuda", generator=g).to(BF)
     i1, w1 = ref.route_topk_softmax(logits, 4)
     i2, w2 = tri.route_topk_softmax(logits, 4)

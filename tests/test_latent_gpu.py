@@ -16,6 +16,7 @@ from moecg.capture import Capture  # noqa: E402
 from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
+from moecg.kernels.tiles import MlaTiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 
 BF = torch.bfloat16
@@ -47,9 +48,18 @@ def test_latent_ops_match_references(T, H):
     for pos in (torch.tensor(0, device="cuda"), torch.tensor(255, device="cuda"), torch.tensor(639, device="cuda"),
                 torch.randint(0, L, (T,), device="cuda", generator=g)):
         want = ref.mla_attn_decode(q_lat, q_pe, lat, kr, pos, scale)
-        for splits in (None, 1, 4, 10):
-            got = tri.mla_attn_decode(q_lat, q_pe, lat, kr, pos, scale, splits=splits)
+        for splits, tiles, merge in ((None, None, None), (1, None, None), (4, None, None), (10, None, None),
+                                     (10, None, 2), (10, MlaTiles(64, 32, 8, 2), 2), (4, MlaTiles(32, 32, 8, 2), 1)):
+            got = tri.mla_attn_decode(q_lat, q_pe, lat, kr, pos, scale, splits=splits, tiles=tiles, merge=merge)
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    # the per-head projections W_UK (a strided view of kv_b_proj: N stride 1) and W_UV at V3's / V2-Lite's dims
+    wkv = (r(H, 256, C) * 0.05)  # [H, Dn + Dv, C]
+    x = r(T, H, Dn + R)[..., :Dn]
+    torch.testing.assert_close(tri.head_linear(x, wkv[:, :Dn].transpose(1, 2)).float(),
+                               ref.head_linear(x, wkv[:, :Dn].transpose(1, 2)).float(), rtol=2e-2, atol=2e-2)
+    o_lat = r(T, H, C)
+    torch.testing.assert_close(tri.head_linear(o_lat, wkv[:, Dn:]).float(), ref.head_linear(o_lat, wkv[:, Dn:]).float(),
+                               rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("preset", ["deepseek_v3_tiny", "deepseek_v2_tiny"])

@@ -67,6 +67,15 @@ for K, ng, tg, norm in ((6, 1, 1, True), (4, 4, 2, True), (3, 8, 3, False), (8, 
     s2, p2 = i2.sort(1)  # HF's top-ks are unsorted: compare the chosen sets
     assert torch.equal(s1, s2), (K, ng, tg)
     close(w1.gather(1, p1), w2.gather(1, p2), 1e-6)
+for K, ng, tg, sc in ((6, 1, 1, 1.0), (4, 4, 2, 16.0), (3, 8, 3, 1.0), (8, 4, 1, 2.0)):  # softmax_group (V2)
+    i1, w1 = ref.route_softmax_group(logits, K, ng, tg, sc)
+    i2, w2 = tri.route_softmax_group(logits, K, ng, tg, sc)
+    s1, p1 = i1.sort(1)
+    s2, p2 = i2.sort(1)
+    assert torch.equal(s1, s2), (K, ng, tg)
+    close(w1.gather(1, p1), w2.gather(1, p2), 1e-6)
+i1, _ = tri.route_softmax_group(logits, 8, 4, 1, 1.0)  # 8 picks from one kept group of 8: none masked
+assert torch.equal(i1.sort(1).values, ref.route_softmax_group(logits, 8, 4, 1, 1.0)[0].sort(1).values)
 i1, _ = tri.route_sigmoid_group(logits, None, 4, 1, 1, True, 1.0)
 assert torch.equal(i1.sort(1).values, ref.route_sigmoid_group(logits, None, 4, 1, 1, True, 1.0)[0].sort(1).values)
 for K in (4, 3):

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
+from moecg.kernels.tiles import MlaTiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 
 from interp_common import close, fused_backends_agree  # noqa: E402 (tests/, this script's directory)
@@ -38,10 +39,19 @@ for H, C, R in ((4, 32, 8), (20, 48, 16)):  # 20 heads: two head blocks, the sec
     lat, kr = torch.randn(T, 1, L, C), torch.randn(T, 1, L, R)
     q_lat = torch.randn(H, T, C).transpose(0, 1)  # [T, H, C] strided, as the fused step passes it
     q_pe = torch.randn(T, H, R)
+    wide = MlaTiles(heads=32, block_l=16, warps=4, stages=2, merge_c=16)  # one padded block of 32 heads
     for pos in (torch.tensor(0), torch.tensor(63), torch.tensor(129), torch.tensor([5, 70, 129])):
         want = ref.mla_attn_decode(q_lat, q_pe, lat, kr, pos, 0.3)
-        for splits in (None, 1, 3):
-            close(want, tri.mla_attn_decode(q_lat, q_pe, lat, kr, pos, 0.3, splits=splits))
+        for splits, tiles, merge in ((None, None, None), (1, None, None), (3, None, None), (3, None, 2),
+                                     (2, wide, 2), (3, wide, 1)):
+            close(want, tri.mla_attn_decode(q_lat, q_pe, lat, kr, pos, 0.3, splits=splits, tiles=tiles, merge=merge))
+    # the per-head projections (W_UK's strided view: N stride 1; W_UV's rows), T up to the GEMV's 16 rows and past
+    wkv = torch.randn(H, Dn + 24, C)  # as kv_b_proj's weight viewed [H, Dn + Dv, C]
+    for Tq in (1, 3, 17):
+        x = torch.randn(Tq, H, Dn + R)[..., :Dn]  # q_nope: a slice of q, K contiguous
+        close(ref.head_linear(x, wkv[:, :Dn].transpose(1, 2)), tri.head_linear(x, wkv[:, :Dn].transpose(1, 2)))
+        o_lat = torch.randn(Tq, H, C)
+        close(ref.head_linear(o_lat, wkv[:, Dn:]), tri.head_linear(o_lat, wkv[:, Dn:]))
 print("kernels ok")
 
 prompts = torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(0))

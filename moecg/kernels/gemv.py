@@ -49,11 +49,18 @@ def silu_mul(gu, inter: int):
 # rows of W once for all T rows (T <= 16: one tl.dot row block), fp32 accumulation, bias added before the one
 # rounding (as cuBLAS's epilogue). cuBLAS runs some of these decode shapes as a split-K GEMM plus a reduce kernel;
 # this is one kernel with no workspace. Which shapes take it: moecg.kernels.tiles.gemv_tiles (a table from bench_gemv.py).
+# The same kernel serves per-head projections (head_linear: program_id(1) is the head, with its strides; W may be a
+# strided view, s_wk its K stride); the plain linear has one head and s_wk 1.
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0):
+                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
+                 s_xh=0, s_wh=0, s_yh=0, s_wk=1):
     pdl_enter(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    hd = tl.program_id(1)
+    x_ptr += hd * s_xh
+    w_ptr += hd * s_wh
+    y_ptr += hd * s_yh
     nm = n < N
     t = tl.arange(0, BLOCK_T)
     tm = t < T
@@ -62,7 +69,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < K
         x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -86,4 +93,21 @@ def linear(x, w, bias=None, tiles=None):
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n),), x, w, bias if bias is not None else y, y, T, N, K,
             x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=16, BLOCK_N=t.block_n,
             BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device, t.pdl_trigger))
+    return y
+
+
+@dry_zeros
+def head_linear(x, w, tiles=None):
+    """As ref.head_linear: x [T, H, K] (K contiguous) @ w[h] [N, K]^T per head -> [T, H, N], on the GEMV kernel with
+    one program per (BLOCK_N columns, head), up to GEMV_MAX_T rows; more rows: torch.bmm. tiles (GemvTiles): None
+    picks BLOCK_N 64 x BLOCK_K 128 where w's N stride is 1 (W_UK's view), else 16 x 256 (W_UV's rows)."""
+    T, H, K = x.shape
+    N = w.shape[1]
+    if T > GEMV_MAX_T or x.stride(2) != 1:
+        return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+    t = tiles or (_tiles.GemvTiles(64, 128, 4, 3) if w.stride(1) == 1 else _tiles.GemvTiles(16, 256, 4, 3))
+    y = torch.empty(T, H, N, dtype=x.dtype, device=x.device)
+    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), H), x, w, y, y, T, N, K, x.stride(0), w.stride(1), y.stride(0),
+           HAS_BIAS=False, BLOCK_T=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages,
+           s_xh=x.stride(1), s_wh=w.stride(0), s_yh=y.stride(1), s_wk=w.stride(2), **pdl_args(x.device, t.pdl_trigger))
     return y

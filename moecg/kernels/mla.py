@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moecg.kernels.attention import short_splits
+from moecg.kernels import tiles as _tiles
+from moecg.kernels.attention import LONG_SPAN, short_splits
 from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, pos_stride, split_sems
 
 _LAYOUT = {"halves": 0, "pairs_to_halves": 1, "pairs": 2}
@@ -110,14 +111,16 @@ def mla_rope_cache(kv, q, pos, cos, sin, latents, rope_keys, kv_norm, eps: float
 # absorbed MLA decode attention: one program per (row, block of HB heads, split of the context). Every head
 # reads the same latent rows (one shared "kv head" of C + R dims), so a block of heads is the rows of the
 # tensor-core tiles: scores [HP, BLOCK_L] = q_lat . latent^T + q_pe . rope_key^T, then acc [HP, CP] += p . latent.
-# Splits > 1 store partial (max, sum, acc); the split of a (row, head block) that finishes last (an arrival
-# counter) merges them in split order, in the same kernel, as the standard decode attention does.
+# Splits > 1 store partial (max, sum, acc). MERGE 1: the split of a (row, head block) that finishes last (an arrival
+# counter) merges them in split order, in the same kernel, as the standard decode attention does. MERGE 2: the
+# partials are merged by _mla_merge_kernel, one program per (row, head block, MC latent dims): the merge reads
+# splits x HP x CP fp32, too much for one program when the splits are many.
 @triton.jit(do_not_specialize=["T", "chunk"])
 def _mla_attn_kernel(ql_ptr, qp_ptr, lat_ptr, kr_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, sem_ptr,
                      T, scaling, chunk, s_pos, s_qlt, s_qlh, s_qpt, s_qph, s_lb, s_ll, s_rb, s_rl, s_ot, s_oh,
                      H: tl.constexpr, HB: tl.constexpr, HP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
                      R: tl.constexpr, RP: tl.constexpr, BLOCK_L: tl.constexpr, SPLIT: tl.constexpr,
-                     USE_PDL: tl.constexpr = 0):
+                     USE_PDL: tl.constexpr = 0, MERGE: tl.constexpr = 1):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -166,57 +169,100 @@ def _mla_attn_kernel(ql_ptr, qp_ptr, lat_ptr, kr_ptr, pos_ptr, o_ptr, m_ptr, l_p
             tl.store(m_ptr + (row0 + sp) * HP + hi, m_i)
             tl.store(l_ptr + (row0 + sp) * HP + hi, l_i)
             tl.store(acc_ptr + ((row0 + sp) * HP + hi)[:, None] * CP + c[None, :], acc)
-            tl.debug_barrier()
-            done = tl.atomic_add(sem_ptr + blk, 1, sem="acq_rel", scope="gpu")
-            if done == n_act - 1:  # every other split's partials are visible (acquire); merge in split order
-                m = tl.full([HP], float("-inf"), dtype=tl.float32)
-                for j in range(0, n_act):
-                    m = tl.maximum(m, tl.load(m_ptr + (row0 + j) * HP + hi, cache_modifier=".cg"))
-                m = tl.where(m == float("-inf"), 0.0, m)
-                l_tot = tl.zeros([HP], dtype=tl.float32)
-                acc = tl.zeros([HP, CP], dtype=tl.float32)
-                for j in range(0, n_act):
-                    ms = tl.load(m_ptr + (row0 + j) * HP + hi, cache_modifier=".cg")
-                    sc = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
-                    l_tot += tl.load(l_ptr + (row0 + j) * HP + hi, cache_modifier=".cg") * sc
-                    acc += tl.load(acc_ptr + ((row0 + j) * HP + hi)[:, None] * CP + c[None, :],
-                                   cache_modifier=".cg") * sc[:, None]
-                out = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
-                tl.store(o_ptr + t * s_ot + h[:, None] * s_oh + c[None, :], out.to(o_ptr.dtype.element_ty), mask=om)
-                tl.store(sem_ptr + blk, 0)  # zero again for the next call (and graph replay)
+            if MERGE == 1:
+                tl.debug_barrier()
+                done = tl.atomic_add(sem_ptr + blk, 1, sem="acq_rel", scope="gpu")
+                if done == n_act - 1:  # every other split's partials are visible (acquire); merge in split order
+                    _mla_merge(m_ptr, l_ptr, acc_ptr, o_ptr + t * s_ot, row0, n_act, h, hi, hm, c, cm, s_oh, HP, CP, CP)
+                    tl.store(sem_ptr + blk, 0)  # zero again for the next call (and graph replay)
+
+
+@triton.jit
+def _mla_merge(m_ptr, l_ptr, acc_ptr, o_ptr, row0, n_act, h, hi, hm, c, cm, s_oh, HP: tl.constexpr,
+               CP: tl.constexpr, NC: tl.constexpr):
+    """Merge n_act splits' partials (rows row0.., [HP] max and sum, [HP, CP] acc; c: the latent dims this program
+    writes, NC of them) in split order into o [H, C] (row stride s_oh)."""
+    m = tl.full([HP], float("-inf"), dtype=tl.float32)
+    for j in range(0, n_act):
+        m = tl.maximum(m, tl.load(m_ptr + (row0 + j) * HP + hi, cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    l_tot = tl.zeros([HP], dtype=tl.float32)
+    acc = tl.zeros([HP, NC], dtype=tl.float32)
+    for j in range(0, n_act):
+        ms = tl.load(m_ptr + (row0 + j) * HP + hi, cache_modifier=".cg")
+        sc = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
+        l_tot += tl.load(l_ptr + (row0 + j) * HP + hi, cache_modifier=".cg") * sc
+        acc += tl.load(acc_ptr + ((row0 + j) * HP + hi)[:, None] * CP + c[None, :], cache_modifier=".cg") * sc[:, None]
+    out = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
+    tl.store(o_ptr + h[:, None] * s_oh + c[None, :], out.to(o_ptr.dtype.element_ty), mask=hm[:, None] & cm[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "chunk"])
+def _mla_merge_kernel(pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, chunk, s_pos, s_ot, s_oh, H: tl.constexpr,
+                      HB: tl.constexpr, HP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, MC: tl.constexpr,
+                      SPLITS: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    """One program per (row, head block, MC latent dims): the merge of MERGE 2 (nothing where one split was active,
+    which wrote its output itself)."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    n_act = tl.cdiv(tl.load(pos_ptr + t * s_pos) + 1, chunk)
+    if n_act > 1:
+        hi = tl.arange(0, HP)
+        h = hb * HB + hi
+        hm = (hi < HB) & (h < H)
+        c = tl.program_id(2) * MC + tl.arange(0, MC)
+        cm = c < C
+        row0 = (t * tl.num_programs(1) + hb) * SPLITS
+        _mla_merge(m_ptr, l_ptr, acc_ptr, o_ptr + t * s_ot, row0, n_act, h, hi, hm, c, cm, s_oh, HP, CP, MC)
 
 
 def mla_splits(T: int, head_blocks: int, span: int) -> int:
-    """Programs per (row, head block) context: the standard decode attention's short-context rule at every span
-    (its long-context rule was measured on standard attention only)."""
+    """Programs per (row, head block) context: the standard decode attention's short-context rule up to LONG_SPAN
+    slots; longer, ~256 programs of at least 64 slots, at most 128 splits (measured on the MLA kernel alone:
+    experiments/results/mla_attn/)."""
+    if span > LONG_SPAN:
+        return max(1, min(256 // max(1, T * head_blocks), span // 64, 128))
     return short_splits(T, head_blocks, span)
 
 
+MERGE_INLINE_MAX = 16  # splits up to which the last split merges in the kernel (MERGE 1); more: _mla_merge_kernel
+
+
 @dry_zeros
-def mla_attn_decode(q_lat, q_pe, latents, rope_keys, pos, scaling: float, splits: int | None = None):
-    """splits: programs per (row, head block) context (None: mla_splits' choice)."""
+def mla_attn_decode(q_lat, q_pe, latents, rope_keys, pos, scaling: float, splits: int | None = None,
+                    tiles=None, merge: int | None = None):
+    """splits: programs per (row, head block) context (None: mla_splits' choice). tiles: a MlaTiles (None:
+    tiles.mla_tiles' choice). merge: 1 in the kernel, 2 a merge kernel (None: 1 up to MERGE_INLINE_MAX splits)."""
     T, H, C = q_lat.shape
     R, L = rope_keys.shape[-1], latents.shape[2]
     assert q_lat.stride(2) == 1 and q_pe.stride(2) == 1 and latents.stride(3) == 1 and rope_keys.stride(3) == 1
-    HB = min(16, p2(H))
+    tl_ = tiles or _tiles.mla_tiles(T, H, C, L)
+    HB = min(tl_.heads, p2(H))
     HP = max(16, HB)
     n_hb = triton.cdiv(H, HB)
     splits = max(1, min(splits or mla_splits(T, n_hb, L), max(1, L // 64)))
     chunk = triton.cdiv(triton.cdiv(L, splits), 64) * 64
     splits = triton.cdiv(L, chunk)
+    merge = merge or (1 if splits <= MERGE_INLINE_MAX else 2)
     CP = p2(C)
     o = torch.empty(T, H, C, dtype=q_lat.dtype, device=q_lat.device)
     if splits > 1:
         m = torch.empty(T * n_hb * splits, HP, dtype=torch.float32, device=q_lat.device)
         l_ = torch.empty_like(m)
         acc = torch.empty(T * n_hb * splits, HP, CP, dtype=torch.float32, device=q_lat.device)
-        sems = split_sems(q_lat.device, T * n_hb, "mla")
+        sems = split_sems(q_lat.device, T * n_hb, "mla") if merge == 1 else m
     else:
         m = l_ = acc = sems = o
     launch(_mla_attn_kernel, (T, n_hb, splits),
         q_lat, q_pe, latents, rope_keys, pos, o, m, l_, acc, sems, T, scaling, chunk, pos_stride(pos, T),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), latents.stride(0), latents.stride(2),
         rope_keys.stride(0), rope_keys.stride(2), o.stride(0), o.stride(1),
-        H=H, HB=HB, HP=HP, C=C, CP=CP, R=R, RP=max(16, p2(R)), BLOCK_L=32 if CP >= 512 else 64, SPLIT=splits > 1,
-        num_warps=8 if CP >= 512 else 4, **pdl_args(q_lat.device))
+        H=H, HB=HB, HP=HP, C=C, CP=CP, R=R, RP=max(16, p2(R)), BLOCK_L=tl_.block_l, SPLIT=splits > 1,
+        MERGE=merge, num_warps=tl_.warps, num_stages=tl_.stages, **pdl_args(q_lat.device))
+    if splits > 1 and merge == 2:
+        MC = min(CP, tl_.merge_c)
+        launch(_mla_merge_kernel, (T, n_hb, CP // MC), pos, o, m, l_, acc, T, chunk, pos_stride(pos, T),
+               o.stride(0), o.stride(1), H=H, HB=HB, HP=HP, C=C, CP=CP, MC=MC, SPLITS=splits, num_warps=4,
+               **pdl_args(q_lat.device))
     return o

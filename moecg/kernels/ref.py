@@ -271,6 +271,13 @@ def linear(x, w, bias=None, tiles=None):
     return F.linear(x, w, bias)
 
 
+def head_linear(x, w, tiles=None):
+    """Per-head projections: x [T, H, K] @ w[h] [N, K]^T for every head h -> [T, H, N] in x's dtype (MLA's W_UK into
+    the latent space and W_UV out of it; w may be any strided view, e.g. kv_b_proj's rows). torch.bmm over the heads
+    (cuBLAS on CUDA), fp32 accumulation, rounded once. tiles: the Triton kernel's; no meaning here."""
+    return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+
 def silu_mul(gu, inter: int):
     """gu [T, >= 2I] (gate | up, maybe more columns after) -> silu(gate) * up [T, I], rounded as HF's MLP."""
     return F.silu(gu[:, :inter]) * gu[:, inter: 2 * inter]

@@ -1,6 +1,6 @@
 """Triton kernels of the fused decode step's routers, one per router kind (moecg.models.adapter.ROUTER_KINDS), and
 residual add + RMSNorm + router GEMV + softmax_topk as one kernel (norm_route). Same signatures as
-`moecg.kernels.ref`'s route, norm_route, route_sigmoid_group and route_topk_softmax.
+`moecg.kernels.ref`'s route, norm_route, route_sigmoid_group, route_softmax_group and route_topk_softmax.
 
 Dims as in ref.py: T tokens, D hidden, E experts, G expert groups, K top-k (KP: next power of two).
 Every kernel is graph-safe: no host syncs, device-side positions and counters, fixed launch grids per batch size
@@ -167,19 +167,27 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
     return new_res, normed, idx, w
 
 
-# sigmoid_group router (DeepSeek-V3, GLM-4-MoE): sigmoid, biased group-limited choice, unbiased weights, one
-# program per token. Every top-k is an argmax loop over the row in registers (E <= a few hundred), ties to the
-# lowest index; the K columns come out in descending order of the biased score (HF's are unsorted).
+# group-limited routers, one program per token. sigmoid_group (DeepSeek-V3, GLM-4-MoE): sigmoid, a biased
+# group-limited choice (group score: the sum of its two best biased scores), unbiased weights. softmax_group
+# (DeepSeek-V2): softmax over all experts (fp32), groups scored by their best expert, never renormalised (NORM False).
+# Every top-k is an argmax loop over the row in registers (E <= a few hundred), ties to the lowest index; the K
+# columns come out in descending order of the (biased) score (HF's are unsorted).
 @triton.jit(do_not_specialize=["T"])
-def _route_sigmoid_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scaling,
-                                K: tl.constexpr, KP: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
-                                TOPKG: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0):
+def _route_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scaling,
+                        K: tl.constexpr, KP: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
+                        TOPKG: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_E: tl.constexpr, SOFTMAX: tl.constexpr = 0, USE_PDL: tl.constexpr = 0):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     em = e < E
-    sc = tl.sigmoid(tl.load(lg_ptr + t * s_lt + e, mask=em, other=0.0).to(tl.float32))  # [E] unbiased scores
+    x = tl.load(lg_ptr + t * s_lt + e, mask=em, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        x = tl.where(em, x, float("-inf"))
+        p = tl.exp(x - tl.max(x, axis=0))
+        sc = p / tl.sum(p, axis=0)  # [E] probabilities (0 past E)
+    else:
+        sc = tl.sigmoid(x)  # [E] unbiased scores
     ch = sc
     if HAS_BIAS:
         ch = sc + tl.load(b_ptr + e, mask=em, other=0.0).to(tl.float32)
@@ -188,12 +196,15 @@ def _route_sigmoid_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scali
         grp = e // (E // NG)
         gi = tl.arange(0, NGP)
         gs = tl.full([NGP], float("-inf"), dtype=tl.float32)
-        for g in tl.static_range(NG):  # group score: the sum of its two best biased scores
+        for g in tl.static_range(NG):  # group score: its best score (softmax) or the sum of its two best (sigmoid)
             cg = tl.where(em & (grp == g), ch, float("-inf"))
             m1 = tl.max(cg, axis=0)
-            i1 = tl.min(tl.where(cg == m1, e, BLOCK_E), axis=0)
-            m2 = tl.max(tl.where(e == i1, float("-inf"), cg), axis=0)
-            gs = tl.where(gi == g, m1 + m2, gs)
+            if SOFTMAX:
+                gs = tl.where(gi == g, m1, gs)
+            else:
+                i1 = tl.min(tl.where(cg == m1, e, BLOCK_E), axis=0)
+                m2 = tl.max(tl.where(e == i1, float("-inf"), cg), axis=0)
+                gs = tl.where(gi == g, m1 + m2, gs)
         gav = gi < NG
         keep = e < 0
         for _ in tl.static_range(TOPKG):
@@ -201,11 +212,14 @@ def _route_sigmoid_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scali
             gsel = tl.min(tl.where(gav & (gs == gm), gi, NGP), axis=0)
             keep = keep | (grp == gsel)
             gav = gav & (gi != gsel)
-        ch = tl.where(keep & em, ch, float("-inf"))
+        # softmax: HF zeroes the other groups' probabilities (masked_fill 0.0), so they stay choosable after the
+        # kept groups' experts; sigmoid: they are out
+        ch = tl.where(keep & em, ch, 0.0 if SOFTMAX else float("-inf"))
     kk = tl.arange(0, KP)
     ids, _ = _topk_keys(tl.where(em, _order_key(ch, e, BLOCK_E), _KEY_NONE), e, K, KP, BLOCK_E)
-    # the unbiased scores of the chosen lanes (past K: 0)
-    ws = tl.sum(tl.where((e[None, :] == ids[:, None]) & (kk < K)[:, None], sc[None, :], 0.0), axis=1)
+    # the unbiased scores of the chosen lanes (past K: 0; softmax: a masked group's expert weighs 0, as in HF)
+    wsrc = ch if SOFTMAX else sc
+    ws = tl.sum(tl.where((e[None, :] == ids[:, None]) & (kk < K)[:, None], wsrc[None, :], 0.0), axis=1)
     if NORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
     ws = ws * scaling
@@ -213,20 +227,30 @@ def _route_sigmoid_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scali
     tl.store(w_ptr + t * K + kk, ws, mask=kk < K)
 
 
-@dry_zeros
-def route_sigmoid_group(logits, choice_bias, top_k: int, n_group: int, topk_group: int, normalize: bool,
-                        scaling: float):
+def _route_group(logits, choice_bias, top_k: int, n_group: int, topk_group: int, normalize: bool, scaling: float,
+                 softmax: bool):
     T, E = logits.shape
     assert logits.stride(1) == 1 and logits.dtype == torch.float32 and E % n_group == 0
     assert choice_bias is None or choice_bias.is_contiguous()
     idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    launch(_route_sigmoid_group_kernel, (T,),
+    launch(_route_group_kernel, (T,),
         logits, choice_bias if choice_bias is not None else logits, idx, w, T, E, logits.stride(0), float(scaling),
         K=top_k, KP=p2(top_k), NG=n_group, NGP=p2(n_group), TOPKG=topk_group, NORM=normalize,
-        HAS_BIAS=choice_bias is not None, BLOCK_E=p2(E), num_warps=1 if E <= 256 else 4,
+        HAS_BIAS=choice_bias is not None, BLOCK_E=p2(E), SOFTMAX=int(softmax), num_warps=1 if E <= 256 else 4,
         **pdl_args(logits.device))
     return idx, w
+
+
+@dry_zeros
+def route_sigmoid_group(logits, choice_bias, top_k: int, n_group: int, topk_group: int, normalize: bool,
+                        scaling: float):
+    return _route_group(logits, choice_bias, top_k, n_group, topk_group, normalize, scaling, softmax=False)
+
+
+@dry_zeros
+def route_softmax_group(logits, top_k: int, n_group: int, topk_group: int, scaling: float):
+    return _route_group(logits, None, top_k, n_group, topk_group, False, scaling, softmax=True)
 
 
 # topk_softmax router (GPT-OSS): top-k of the logits, softmax over those k (fp32, rounded once to the logits' dtype)

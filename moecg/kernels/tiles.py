@@ -115,3 +115,35 @@ def norm_warps(T: int, D: int, KK: int) -> int:
     if D <= 2048:
         return 16
     return 4 if D <= 4096 else 8
+
+
+@dataclass(frozen=True)
+class MlaTiles:
+    """Tiles of the MLA decode attention (moecg.kernels.mla): heads per program (the rows of its tensor-core tiles,
+    padded to >= 16), cache slots per loop step, warps, pipeline stages, and latent dims per program of the separate
+    merge."""
+    heads: int = 16
+    block_l: int = 32
+    warps: int = 8
+    stages: int = 3
+    merge_c: int = 64
+
+
+@dataclass(frozen=True)
+class MlaRule:
+    tiles: MlaTiles
+    tokens: tuple = _ANY  # T
+    heads: tuple = _ANY  # H
+    slots: tuple = _ANY  # L
+
+    def holds(self, T: int, H: int, L: int) -> bool:
+        return _within((T, self.tokens), (H, self.heads), (L, self.slots))
+
+
+MLA_RULES: tuple[MlaRule, ...] = ()
+
+
+def mla_tiles(T: int, H: int, C: int, L: int) -> MlaTiles:
+    """The first MLA_RULES rule holding (T, H, L), else MlaTiles() (the first-written kernel's tiles: 16 heads, 32
+    slots, 8 warps at 512 latent dims; 4 warps and 64 slots below 512)."""
+    return _first(MLA_RULES, MlaTiles() if C >= 512 else MlaTiles(block_l=64, warps=4), T, H, L)
