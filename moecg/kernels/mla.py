@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
-from moecg.kernels.attention import LONG_SPAN, short_splits
+from moecg.kernels.attention import short_splits
 from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, pos_stride, split_sems
 
 _LAYOUT = {"halves": 0, "pairs_to_halves": 1, "pairs": 2}
@@ -218,15 +218,17 @@ def _mla_merge_kernel(pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, chunk, s_pos, s_
 
 
 def mla_splits(T: int, head_blocks: int, span: int) -> int:
-    """Programs per (row, head block) context: the standard decode attention's short-context rule up to LONG_SPAN
-    slots; longer, ~256 programs of at least 64 slots, at most 128 splits (measured on the MLA kernel alone:
-    experiments/results/mla_attn/)."""
-    if span > LONG_SPAN:
-        return max(1, min(256 // max(1, T * head_blocks), span // 64, 128))
-    return short_splits(T, head_blocks, span)
+    """Programs per (row, head block) context. Up to SHORT_SPAN slots, the standard decode attention's short rule
+    (~128 programs, >= 64 slots each, <= 16 splits); longer, ~256 programs of >= 128 slots, <= 64 splits. From
+    experiments/bench_mla_attn.py on the H200 (results/mla_attn/): over 48 shapes x rows x contexts, the rule's
+    choice at the table's tiles took 1.01x the time of the best split count in sum, 1.21x at worst (V3, T 1, 4k)."""
+    if span <= SHORT_SPAN:
+        return short_splits(T, head_blocks, span)
+    return max(1, min(256 // max(1, T * head_blocks), span // 128, 64))
 
 
-MERGE_INLINE_MAX = 16  # splits up to which the last split merges in the kernel (MERGE 1); more: _mla_merge_kernel
+SHORT_SPAN = 256
+MERGE_INLINE_MAX = 8  # splits up to which the last split merges in the kernel (MERGE 1); more: _mla_merge_kernel
 
 
 @dry_zeros

@@ -135,15 +135,27 @@ class MlaRule:
     tokens: tuple = _ANY  # T
     heads: tuple = _ANY  # H
     slots: tuple = _ANY  # L
+    work: tuple = _ANY  # T * H: rows of score tiles a step has
+    latent: tuple = (512, math.inf)  # C: the table was measured at 512 latent dims (DeepSeek-V2/V3, Kimi-K2)
 
-    def holds(self, T: int, H: int, L: int) -> bool:
-        return _within((T, self.tokens), (H, self.heads), (L, self.slots))
+    def holds(self, T: int, H: int, C: int, L: int) -> bool:
+        return _within((T, self.tokens), (H, self.heads), (L, self.slots), (T * H, self.work), (C, self.latent))
 
 
-MLA_RULES: tuple[MlaRule, ...] = ()
+# From experiments/bench_mla_attn.py on the H200 (results/mla_attn/mla_attn.md; 16, 64 and 128 heads, T 1-64, 256 /
+# 4k / 32k slots, every tile set x split count x merge, in CUDA graphs). 64-head blocks (M 64: Hopper's wgmma) where
+# the heads x rows are many, as the score and value products then bound the kernel (V3 T 64 at 32k: 2.94 ms, 182
+# TFLOP/s, against 5.52 ms with 16-head blocks); short caches: 64 slots a step, 8 warps (4.7 against 6.1 us, one
+# split); else 16 heads, 32 slots, 4 warps (V2-Lite T 64 at 32k: 95% of the copy bandwidth, against 65% at 8 warps).
+MLA_RULES: tuple[MlaRule, ...] = (
+    MlaRule(MlaTiles(64, 32, 8, 2), heads=(64, math.inf), slots=(0, 257), work=(8192, math.inf)),
+    MlaRule(MlaTiles(16, 64, 8, 2), slots=(0, 257)),
+    MlaRule(MlaTiles(64, 32, 8, 2), heads=(64, math.inf), work=(2048, math.inf)),
+    MlaRule(MlaTiles(16, 32, 4, 3)),
+)
 
 
 def mla_tiles(T: int, H: int, C: int, L: int) -> MlaTiles:
-    """The first MLA_RULES rule holding (T, H, L), else MlaTiles() (the first-written kernel's tiles: 16 heads, 32
-    slots, 8 warps at 512 latent dims; 4 warps and 64 slots below 512)."""
-    return _first(MLA_RULES, MlaTiles() if C >= 512 else MlaTiles(block_l=64, warps=4), T, H, L)
+    """The first MLA_RULES rule holding (T, H, C, L), else MlaTiles() at 512+ latent dims and 64 slots, 4 warps below
+    (the tiny test models)."""
+    return _first(MLA_RULES, MlaTiles() if C >= 512 else MlaTiles(block_l=64, warps=4), T, H, C, L)
