@@ -57,8 +57,6 @@ def test_latent_ops_match_references(T, H):
     x = r(T, H, Dn + R)[..., :Dn]
     torch.testing.assert_close(tri.head_linear(x, wkv[:, :Dn].transpose(1, 2)).float(),
                                ref.head_linear(x, wkv[:, :Dn].transpose(1, 2)).float(), rtol=2e-2, atol=2e-2)
-    xr, wr = r(T, 7168), torch.randn(256, 7168, device="cuda", generator=g) * 0.02  # V3's router: fp32 weight
-    torch.testing.assert_close(tri.linear_fp32(xr, wr), ref.linear_fp32(xr, wr), rtol=1e-4, atol=1e-4)
     o_lat = r(T, H, C)
     torch.testing.assert_close(tri.head_linear(o_lat, wkv[:, Dn:]).float(), ref.head_linear(o_lat, wkv[:, Dn:]).float(),
                                rtol=2e-2, atol=2e-2)

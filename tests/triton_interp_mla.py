@@ -52,10 +52,6 @@ for H, C, R in ((4, 32, 8), (20, 48, 16)):  # 20 heads: two head blocks, the sec
         close(ref.head_linear(x, wkv[:, :Dn].transpose(1, 2)), tri.head_linear(x, wkv[:, :Dn].transpose(1, 2)))
         o_lat = torch.randn(Tq, H, C)
         close(ref.head_linear(o_lat, wkv[:, Dn:]), tri.head_linear(o_lat, wkv[:, Dn:]))
-    # fp32 router logits (bf16 activations, fp32 weight), as HF's DeepSeek routers
-    for Tq in (1, 5, 17):
-        x, wr = torch.randn(Tq, 3 * C).to(torch.bfloat16), torch.randn(24, 3 * C)
-        close(ref.linear_fp32(x, wr), tri.linear_fp32(x, wr), 1e-4)  # |logits| ~ 40: fp32 sums in another order
 print("kernels ok")
 
 prompts = torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(0))

@@ -50,12 +50,11 @@ def silu_mul(gu, inter: int):
 # rounding (as cuBLAS's epilogue). cuBLAS runs some of these decode shapes as a split-K GEMM plus a reduce kernel;
 # this is one kernel with no workspace. Which shapes take it: moecg.kernels.tiles.gemv_tiles (a table from bench_gemv.py).
 # The same kernel serves per-head projections (head_linear: program_id(1) is the head, with its strides; W may be a
-# strided view, s_wk its K stride; the plain linear has one head and s_wk 1) and fp32 router logits (linear_fp32:
-# FP32, x cast in the kernel, IEEE products, no TF32).
+# strided view, s_wk its K stride); the plain linear has one head and s_wk 1.
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
-                 s_xh=0, s_wh=0, s_yh=0, s_wk=1, FP32: tl.constexpr = 0):
+                 s_xh=0, s_wh=0, s_yh=0, s_wk=1):
     pdl_enter(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     hd = tl.program_id(1)
@@ -71,10 +70,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
         km = k < K
         x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-        if FP32:  # x cast to fp32 and products in IEEE fp32, as F.linear(x.float(), w.float())
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + t[:, None] * s_yt + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=tm[:, None] & nm[None, :])
@@ -114,21 +110,4 @@ def head_linear(x, w, tiles=None):
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), H), x, w, y, y, T, N, K, x.stride(0), w.stride(1), y.stride(0),
            HAS_BIAS=False, BLOCK_T=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages,
            s_xh=x.stride(1), s_wh=w.stride(0), s_yh=y.stride(1), s_wk=w.stride(2), **pdl_args(x.device, t.pdl_trigger))
-    return y
-
-
-@dry_zeros
-def linear_fp32(x, w, tiles=None):
-    """As ref.linear_fp32: x [T, K] (any float dtype) @ w [N, K]^T in fp32 -> [T, N] fp32 (DeepSeek's and GLM's router
-    logits), on the GEMV kernel in IEEE fp32 up to GEMV_MAX_T rows (one kernel: no cast of x, no split-K reduce);
-    more rows: F.linear on the fp32 copies. tiles: GemvTiles (None: 16 columns x 128 per step, 4 warps, 4 stages)."""
-    T, K = x.shape
-    N = w.shape[0]
-    if T > GEMV_MAX_T or x.stride(1) != 1 or w.stride(1) != 1:
-        return F.linear(x.float(), w.float())
-    t = tiles or _tiles.GemvTiles(16, 128, 4, 4)
-    y = torch.empty(T, N, dtype=torch.float32, device=x.device)
-    launch(_gemv_kernel, (triton.cdiv(N, t.block_n),), x, w, y, y, T, N, K, x.stride(0), w.stride(0), y.stride(0),
-           HAS_BIAS=False, BLOCK_T=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages,
-           FP32=1, **pdl_args(x.device, t.pdl_trigger))
     return y

@@ -271,12 +271,6 @@ def linear(x, w, bias=None, tiles=None):
     return F.linear(x, w, bias)
 
 
-def linear_fp32(x, w, tiles=None):
-    """x [T, K] @ w [N, K]^T with both in fp32 -> [T, N] fp32: the router logits of HF's fp32 routers (DeepSeek-V2/V3,
-    GLM-4-MoE cast both operands). tiles: the Triton kernel's; no meaning here."""
-    return F.linear(x.float(), w.float())
-
-
 def head_linear(x, w, tiles=None):
     """Per-head projections: x [T, H, K] @ w[h] [N, K]^T for every head h -> [T, H, N] in x's dtype (MLA's W_UK into
     the latent space and W_UV out of it; w may be any strided view, e.g. kv_b_proj's rows). torch.bmm over the heads
