@@ -21,6 +21,7 @@ from moecg.engine import DecodeEngine
 from moecg.fast import FastDecode, FastPathError, check_supported
 from moecg.kernels import ref
 from moecg.models import build_model
+from model_terms import randomise_terms  # tests/
 
 S, NEW, LEN = 7, 10, 48
 LOGIT_TOL = 1e-4  # fp32: different GEMM shapes and accumulation orders than HF's modules
@@ -38,14 +39,7 @@ CASES = {
 
 def _build(preset, overrides, seed=0, dtype="fp32"):
     b = build_model(preset, dtype=dtype, device="cpu", seed=seed, config_overrides=overrides)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in b.model.named_parameters():
-            if name.endswith("bias") or name.endswith("sinks"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-        for name, buf in b.model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.rand(buf.shape, generator=g) * 0.3)
+    randomise_terms(b.model, seed)
     return b
 
 

@@ -20,6 +20,7 @@ from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import launch, ref, triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
+from model_terms import randomise_terms  # noqa: E402 (tests/)
 
 BF = torch.bfloat16
 
@@ -291,14 +292,7 @@ def test_family_fused_full_capture_matches_hf_eager(preset):
     overrides = {"n_group": 4, "topk_group": 2, "use_qk_norm": True} if preset == "glm4_moe_tiny" else {}
     b = build_model(preset, dtype="bf16", device="cuda", seed=1, config_overrides=overrides)
     m = b.model
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("bias") or name.endswith("sinks"):
-                p.copy_(torch.randn(p.shape, device="cuda", generator=g) * 0.5)
-        for name, buf in m.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.rand(buf.shape, device="cuda", generator=g) * 0.3)
+    randomise_terms(m, 0)
     prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
     attach(m, make_dispatcher("dropless"), max_rows=8)
     r_ref = DecodeEngine(m, 64, 8).generate(prompts, 16, keep_logits=True, timing=False)

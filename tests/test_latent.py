@@ -22,6 +22,7 @@ from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.engine import DecodeEngine
 from moecg.fast import FastDecode
 from moecg.models import build_model
+from model_terms import randomise_terms  # tests/
 
 S, NEW, LEN = 7, 8, 48
 LOGIT_TOL = 1e-4  # fp32: the absorbed products and different GEMM shapes than HF's modules
@@ -41,15 +42,7 @@ CASES = {
 
 def _build(preset, overrides, seed=0, dtype="fp32"):
     b = build_model(preset, dtype=dtype, device="cpu", seed=seed, config_overrides=overrides)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # HF zeros biases and norms' offsets: random ones, so a dropped term shows
-        for name, p in b.model.named_parameters():
-            if name.endswith("bias") or "layernorm" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5 + (1.0 if "layernorm" in name else 0.0))
-        for name, buf in b.model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.rand(buf.shape, generator=g) * 0.3)
-    return b.model
+    return randomise_terms(b.model, seed, norms=True)  # HF zeros biases and norms' offsets: a dropped term shows
 
 
 def _prompts(n=3, seed=0):

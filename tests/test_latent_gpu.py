@@ -18,6 +18,7 @@ from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import MlaTiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
+from model_terms import randomise_terms  # noqa: E402 (tests/)
 
 BF = torch.bfloat16
 
@@ -67,14 +68,7 @@ def test_latent_fused_full_capture_matches_hf(preset):
     """bf16, random biases and correction biases: the fused step captured per bucket (3 real rows in bucket 4),
     teacher-forced against HF's modules eagerly; every real token routed K times per layer."""
     m = build_model(preset, dtype="bf16", device="cuda", seed=1, config_overrides={"attention_bias": True}).model
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, device="cuda", generator=g) * 0.5)
-        for name, buf in m.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.rand(buf.shape, device="cuda", generator=g) * 0.3)
+    randomise_terms(m, 0)
     prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
     attach(m, make_dispatcher("dropless"), max_rows=8)
     r_ref = DecodeEngine(m, 64, 8).generate(prompts, 16, keep_logits=True, timing=False)
