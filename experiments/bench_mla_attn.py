@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+from bench_attn_splits import time_call  # same directory: one call per CUDA-event pair, median
+from bench_kernels import graph_time_us  # same directory: calls back to back in one CUDA graph, median replay
 
 from moecg.kernels import ref
 from moecg.kernels import triton_ops as tri
@@ -32,35 +33,6 @@ C, R = 512, 64
 TILES = {"16x32w8s3": MlaTiles(16, 32, 8, 3), "16x64w8s2": MlaTiles(16, 64, 8, 2), "16x32w4s3": MlaTiles(16, 32, 4, 3),
          "32x32w8s2": MlaTiles(32, 32, 8, 2), "64x32w8s2": MlaTiles(64, 32, 8, 2), "64x16w8s2": MlaTiles(64, 16, 8, 2),
          "64x32w4s2": MlaTiles(64, 32, 4, 2)}
-
-
-def time_call(fn, iters):
-    for _ in range(3):
-        fn()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in evs:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in evs)
-
-
-def graph_ms(fn, reps: int, replays: int) -> float:
-    """ms per call of fn: reps calls captured back to back in one CUDA graph, median of `replays` replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    ms = time_call(g.replay, replays) / reps
-    del g
-    return ms
 
 
 def copy_gbps(iters: int) -> float:
@@ -131,7 +103,8 @@ def main(argv=None):
                             assert err < 2e-2, (name, T, L, tn, sp, merge, err)
                             ms0 = time_call(fn, 3)  # long calls: fewer per graph and fewer replays
                             reps = max(2, min(args.reps, int(2 / max(ms0, 1e-3))))
-                            row["ms"][f"{tn}:{sp}:m{merge}"] = graph_ms(fn, reps, args.replays if ms0 < 0.5 else 5)
+                            row["ms"][f"{tn}:{sp}:m{merge}"] = graph_time_us(
+                                fn, reps, args.replays if ms0 < 0.5 else 5) / 1e3
                 a = f"{row['auto_tiles']}:{auto}:m{1 if auto <= tri.mla.MERGE_INLINE_MAX else 2}"
                 best = min(row["ms"], key=row["ms"].get)
                 row["auto"], row["best"] = a, best

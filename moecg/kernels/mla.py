@@ -217,6 +217,10 @@ def _mla_merge_kernel(pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, chunk, s_pos, s_
         _mla_merge(m_ptr, l_ptr, acc_ptr, o_ptr + t * s_ot, row0, n_act, h, hi, hm, c, cm, s_oh, HP, CP, MC)
 
 
+SHORT_SPAN = 256
+MERGE_INLINE_MAX = 8  # splits up to which the last split merges in the kernel (MERGE 1); more: _mla_merge_kernel
+
+
 def mla_splits(T: int, head_blocks: int, span: int) -> int:
     """Programs per (row, head block) context. Up to SHORT_SPAN slots, the standard decode attention's short rule
     (~128 programs, >= 64 slots each, <= 16 splits); longer, ~256 programs of >= 128 slots, <= 64 splits. From
@@ -225,10 +229,6 @@ def mla_splits(T: int, head_blocks: int, span: int) -> int:
     if span <= SHORT_SPAN:
         return short_splits(T, head_blocks, span)
     return max(1, min(256 // max(1, T * head_blocks), span // 128, 64))
-
-
-SHORT_SPAN = 256
-MERGE_INLINE_MAX = 8  # splits up to which the last split merges in the kernel (MERGE 1); more: _mla_merge_kernel
 
 
 @dry_zeros
