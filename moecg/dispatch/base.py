@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 
 from moecg.dispatch.state import LayerCounters
+from moecg.models.weights import EXPERT_PARAMS, dense, stored
 
 REGISTRY: dict[str, type["Dispatcher"]] = {}
 
@@ -113,11 +114,11 @@ def check_experts(experts) -> None:
 
 def expert_weights(experts):
     """(gate_up [E, D, 2I], down [E, I, D], gate_up_bias [E, 2I] | None, down_bias [E, D] | None): the weights as
-    [E, Din, Dout] views whatever the module's layout (HF's `is_transposed`: GPT-OSS stores them that way)."""
-    if getattr(experts, "is_transposed", False):
-        gate_up, down = experts.gate_up_proj, experts.down_proj
-    else:
-        gate_up, down = experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
+    [E, Din, Dout] views whatever the module's layout (HF's `is_transposed`: GPT-OSS stores them that way), in the
+    model dtype: quantized experts are dequantized by the format's reference (moecg.models.weights), every call."""
+    gate_up, down = (dense(stored(experts, n)) for n in EXPERT_PARAMS)
+    if not getattr(experts, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     if getattr(experts, "has_bias", False):
         return gate_up, down, experts.gate_up_proj_bias, experts.down_proj_bias
     return gate_up, down, None, None

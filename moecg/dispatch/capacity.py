@@ -22,6 +22,7 @@ import torch
 
 from moecg.dispatch.base import Dispatcher, expert_mlp_padded, register
 from moecg.dispatch.triton_path import TritonPath, kernel_spec
+from moecg.models.weights import EXPERT_PARAMS, compute_dtype, stored
 from moecg.moe_math import DROP_POLICIES, add_counters, assign_slots, capacity, kept_weights
 
 
@@ -64,7 +65,7 @@ class Capacity(Dispatcher, TritonPath):
             spec = kernel_spec(experts)
             bias = spec.has_bias
             return capacity_kernels.capacity_experts(
-                hidden, idx.contiguous(), w, experts.gate_up_proj, experts.down_proj, valid, counters,
+                hidden, idx.contiguous(), w, *(stored(experts, n) for n in EXPERT_PARAMS), valid, counters,
                 capacity_factor=self.capacity_factor, drop_policy=self.drop_policy, min_capacity=self.min_capacity,
                 renormalize=self.renormalize, spec=spec, gate_up_bias=experts.gate_up_proj_bias if bias else None,
                 down_bias=experts.down_proj_bias if bias else None)
@@ -77,7 +78,7 @@ class Capacity(Dispatcher, TritonPath):
         sl = assign_slots(idx, w, valid, E, self.capacity_factor, self.min_capacity, self.drop_policy)
         C = sl.buffer
         x = hidden[sl.slot_token]  # [E, C, D]
-        y = self.experts_padded(experts, x.to(experts.gate_up_proj.dtype))  # [E, C, D]
+        y = self.experts_padded(experts, x.to(compute_dtype(experts)))  # [E, C, D]
         # Where each kept (token, expert) sits: slot_of[t, e] = c.
         slot_of = torch.zeros(T, E, dtype=torch.int64, device=idx.device)
         slots = torch.arange(C, device=idx.device).expand(E, C)  # [E, C]

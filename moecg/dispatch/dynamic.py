@@ -1,4 +1,5 @@
 """`dynamic`: HF's own eager experts loop, the reference. `nonzero()` + a Python loop over hit experts: not graph-safe.
+Quantized experts (moecg.models.weights) run the same loop on their dequantized weights.
 
 Dims: T tokens, K top-k, E experts, D hidden.
 """
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from moecg.dispatch.base import Dispatcher, register
+from moecg.models.weights import dequantized
 from moecg.moe_math import count_valid, route_counts, routed_mass
 
 
@@ -22,15 +24,20 @@ class Dynamic(Dispatcher):
         E = experts.num_experts
         idx_m, counts = route_counts(idx, valid, E)  # [T, K], [E]
         loop = type(experts).forward.__wrapped__  # HF's own loop, whatever experts implementation is set
-        if valid is None:
-            out = loop(experts, hidden, idx, w)  # [T, D]
-        else:
-            # Pad rows leave before the loop rather than routing to sentinel id E: GPT-OSS's loop one-hots over E
-            # classes, where E is out of range. Each expert then sees exactly the real rows it sees unpadded, and
-            # pad rows stay zero. nonzero syncs, as HF's loop does anyway.
-            rows = valid.nonzero().squeeze(1)  # [n]
-            out = torch.zeros_like(hidden)  # [T, D]
-            out[rows] = loop(experts, hidden[rows], idx[rows], w[rows])
+        with dequantized(experts):
+            out = self._loop(loop, experts, hidden, idx, w, valid)  # [T, D]
         if counters is not None:
             counters.add_routed(counts, routed_mass(idx_m, w, E), count_valid(valid, hidden.shape[0], hidden.device))
+        return out
+
+    @staticmethod
+    def _loop(loop, experts, hidden, idx, w, valid):
+        if valid is None:
+            return loop(experts, hidden, idx, w)  # [T, D]
+        # Pad rows leave before the loop rather than routing to sentinel id E: GPT-OSS's loop one-hots over E
+        # classes, where E is out of range. Each expert then sees exactly the real rows it sees unpadded, and
+        # pad rows stay zero. nonzero syncs, as HF's loop does anyway.
+        rows = valid.nonzero().squeeze(1)  # [n]
+        out = torch.zeros_like(hidden)  # [T, D]
+        out[rows] = loop(experts, hidden[rows], idx[rows], w[rows])
         return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from moecg.dispatch.base import register
 from moecg.dispatch.dropless import Dropless
 from moecg.dispatch.triton_path import TritonPath, kernel_spec
+from moecg.models.weights import EXPERT_PARAMS, stored
 
 
 @register
@@ -28,7 +29,7 @@ class Fused(Dropless, TritonPath):
 
             spec = kernel_spec(experts)
             bias = spec.has_bias
-            return triton_ops.moe_experts(hidden, idx.contiguous(), w, experts.gate_up_proj, experts.down_proj,
+            return triton_ops.moe_experts(hidden, idx.contiguous(), w, *(stored(experts, n) for n in EXPERT_PARAMS),
                                           valid, counters, spec=spec,
                                           gate_up_bias=experts.gate_up_proj_bias if bias else None,
                                           down_bias=experts.down_proj_bias if bias else None)

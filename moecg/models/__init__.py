@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from moecg.models.adapter import ADAPTERS, FamilyAdapter, adapter_for
 from moecg.models.skew import apply_router_skew, remove_router_skew
+from moecg.models.weights import quantize_model
 from moecg.models.zoo import FAMILIES, PRESETS, family_of_config, make_config
 
 __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "FamilyAdapter", "adapter_for", "apply_router_skew",
@@ -65,8 +66,10 @@ def _attn_implementation(model_cls, requested: str) -> str:
 
 def build_model(preset: str | None = None, *, pretrained_path: str | None = None, num_layers: int | None = None,
                 dtype: str | None = "auto", device: str | None = "auto", seed: int = 0, router_skew: float = 0.0,
-                attn_implementation: str = "sdpa", config_overrides: dict | None = None) -> BuiltModel:
-    """Build an HF MoE model in eval mode, weights created directly on `device` in `dtype`."""
+                attn_implementation: str = "sdpa", config_overrides: dict | None = None,
+                weights: str = "full") -> BuiltModel:
+    """Build an HF MoE model in eval mode, weights created directly on `device` in `dtype`, then stored in format
+    `weights` (moecg.models.weights: `full` as built, `fp8_block` quantized in place)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
@@ -100,6 +103,7 @@ def build_model(preset: str | None = None, *, pretrained_path: str | None = None
         name = preset
     model.eval()
     family = family_of_config(model.config)
+    quantize_model(model, adapter_for(model), weights)
     apply_router_skew(model, router_skew, seed)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -1,0 +1,268 @@
+"""Weight formats (`model.weights`): how a model's projections are stored, and the PyTorch reference of each.
+
+`full`: every weight in the model's dtype (HF as built). `fp8_block`: the published block-FP8 format of DeepSeek-V3's
+and Qwen3's FP8 releases (`quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [128, 128]}`):
+e4m3 values and one fp32 scale per 128 x 128 block of each weight, `weight_scale_inv` beside it, dequantized as
+`value * scale` (the scale is the block's amax / 448). What is quantized, as in those releases: every routed and
+shared expert, every dense MLP and every attention projection; the routers (and Qwen2-MoE's one-row shared-expert
+gate), the embeddings, the LM head and the norms stay in the model's dtype.
+
+In memory (moecg's layout, read by every path):
+- an experts module keeps HF's fused parameters, now e4m3: `gate_up_proj` [E, 2I, D] and `down_proj` [E, D, I], with
+  `gate_up_proj_scale_inv` [E, ceil(2I / g), ceil(D / 128)] and `down_proj_scale_inv` beside them. `g`, the rows one
+  scale row covers, is 128, or less where fused rows do not fall on 128-row boundaries (gate and up are quantized
+  as the separate [I, D] weights the checkpoints publish, so a 128-block never straddles them: g = gcd(128, I), the
+  published scales repeated 128 / g times; exact, and the same bytes as published where I is a multiple of 128).
+- a quantized nn.Linear becomes `Fp8Linear` (`weight` e4m3 [N, K], `weight_scale_inv` [ceil(N/128), ceil(K/128)]).
+The reference dequantizes in fp32 and rounds once to the model dtype: `(q.float() * scale).to(dtype)`; every
+quantized kernel is checked against it. (HF's own FP8 dequantizer multiplies in bf16, rounding the scale first.)
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+FORMATS = ("full", "fp8_block")  # the `model.weights` values
+BLOCK = 128  # the published block edge, both dims
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest e4m3 value
+SCALE = "_scale_inv"  # the published suffix of a weight's scales (`<weight name>_scale_inv`)
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the fused experts' quantized parameters
+
+
+class WeightFormatError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class BlockFp8:
+    """One block-scaled e4m3 weight as a kernel reads it: q [..., N, K] e4m3, scale [..., ceil(N/rows), ceil(K/128)]
+    fp32 (rows: the rows one scale row covers, 128 or a divisor of it), dequantized into `dtype`."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    rows: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    def dense(self) -> torch.Tensor:
+        return dequantize(self.q, self.scale, self.rows, self.dtype)
+
+    def stored_bytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (q [..., N, K] e4m3, scale [..., ceil(N/128), ceil(K/128)] fp32): one scale per 128 x 128
+    block (the block's amax / 448; an all-zero block gets scale 1), values rounded to nearest e4m3."""
+    *lead, N, K = w.shape
+    nb, kb = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
+    pad = torch.zeros(*lead, nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
+    pad[..., :N, :K] = w.float()
+    blocks = pad.view(*lead, nb, BLOCK, kb, BLOCK)
+    amax = blocks.abs().amax(dim=(-3, -1))  # [..., nb, kb]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(*lead, nb * BLOCK, kb * BLOCK)
+    return q[..., :N, :K].to(FP8).contiguous(), scale.contiguous()
+
+
+def expand_scale(scale: torch.Tensor, rows: int, n: int, k: int) -> torch.Tensor:
+    """scale [..., ceil(n/rows), ceil(k/128)] -> [..., n, k]: each weight element's scale."""
+    return scale.repeat_interleave(rows, dim=-2)[..., :n, :].repeat_interleave(BLOCK, dim=-1)[..., :k]
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """The reference: q [..., N, K] e4m3 times its block scales in fp32, rounded once to `dtype`."""
+    N, K = q.shape[-2:]
+    return (q.float() * expand_scale(scale, rows, N, K)).to(dtype)
+
+
+def fuse_rows(parts: list[tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Quantized weights (q [.., N_i, K], scale, rows_i) stacked along N -> (q, scale, rows) of the stack, exactly:
+    rows = gcd of the parts' rows and row counts, each part's scale rows repeated to that granularity."""
+    g = 0
+    for q, _, r in parts:
+        g = math.gcd(g, math.gcd(r, q.shape[-2]))
+    qs, ss = [], []
+    for q, s, r in parts:
+        qs.append(q)
+        ss.append(s.repeat_interleave(r // g, dim=-2)[..., : q.shape[-2] // g, :])
+    return torch.cat(qs, dim=-2), torch.cat(ss, dim=-2), g
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the model's modules, quantized in place
+class Fp8Linear(nn.Module):
+    """nn.Linear with a block-FP8 weight: `weight` e4m3 [N, K], `weight_scale_inv` [ceil(N/128), ceil(K/128)] fp32,
+    `bias` in the model dtype; forward = F.linear on the dequantized weight (the reference path)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.compute_dtype = dtype
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> Fp8Linear:
+        q, s = quantize(lin.weight.detach())
+        return cls(q, s, lin.bias, lin.weight.dtype)
+
+    def stored(self) -> BlockFp8:
+        return BlockFp8(self.weight, self.weight_scale_inv, BLOCK, self.compute_dtype)
+
+    def forward(self, x):
+        return F.linear(x, self.stored().dense(), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_block"
+
+
+def stored(module: nn.Module, name: str = "weight"):
+    """A module's weight as stored: a tensor in the model dtype, or a BlockFp8 (an Fp8Linear's weight, a quantized
+    experts module's `gate_up_proj` / `down_proj`)."""
+    if isinstance(module, Fp8Linear) and name == "weight":
+        return module.stored()
+    rows = getattr(module, "_moecg_scale_rows", {}).get(name)
+    if rows is not None:
+        return BlockFp8(getattr(module, name), getattr(module, name + SCALE), rows, module._moecg_dtype)
+    return getattr(module, name)
+
+
+def dense(w) -> torch.Tensor:
+    """A stored weight in the model dtype (BlockFp8 dequantized by the reference, a tensor as it is)."""
+    return w.dense() if isinstance(w, BlockFp8) else w
+
+
+def compute_dtype(experts: nn.Module) -> torch.dtype:
+    """The dtype an experts module computes in (its parameters' own, or the model's for quantized ones)."""
+    return getattr(experts, "_moecg_dtype", None) or experts.gate_up_proj.dtype
+
+
+def is_quantized(experts: nn.Module) -> bool:
+    return bool(getattr(experts, "_moecg_scale_rows", None))
+
+
+def quantize_experts(experts: nn.Module) -> None:
+    """An HF fused experts module's gate_up_proj / down_proj -> e4m3 parameters + `<name>_scale_inv` (in place).
+    gate and up are quantized as their own [I, D] weights (the published per-expert layout), then fused."""
+    if getattr(experts, "is_transposed", False):
+        raise WeightFormatError(f"model.weights=fp8_block: {type(experts).__name__} stores its experts transposed "
+                                "([E, D, 2I], GPT-OSS); block-FP8 covers the [E, 2I, D] layout: use "
+                                "model.weights=full for this family")
+    dtype = experts.gate_up_proj.dtype
+    gu = experts.gate_up_proj.detach()  # [E, 2I, D]
+    inter = gu.shape[1] // 2
+    gate, up = quantize(gu[:, :inter]), quantize(gu[:, inter:])
+    q, s, rows = fuse_rows([(*gate, BLOCK), (*up, BLOCK)])
+    qd, sd = quantize(experts.down_proj.detach())  # [E, D, I]
+    _set_quantized(experts, {"gate_up_proj": (q, s, rows), "down_proj": (qd, sd, BLOCK)}, dtype)
+
+
+def _set_quantized(experts: nn.Module, params: dict, dtype: torch.dtype) -> None:
+    experts._moecg_scale_rows = {}
+    for name, (q, s, rows) in params.items():
+        setattr(experts, name, nn.Parameter(q, requires_grad=False))
+        setattr(experts, name + SCALE, nn.Parameter(s, requires_grad=False))
+        experts._moecg_scale_rows[name] = rows
+    experts._moecg_dtype = dtype
+
+
+def quantized_linears(model, adapter) -> list[tuple[nn.Module, str]]:
+    """(parent module, attribute) of every nn.Linear the format quantizes: those of the decoder layers but the
+    routers and the shared-expert gate."""
+    keep = set()
+    for layer in adapter.layers(model):
+        block = adapter.moe_block(layer)
+        if block is not None:
+            keep.add(id(getattr(block, adapter.router)))
+            gate = adapter.shared_gate_of(layer)
+            if gate is not None:
+                keep.add(id(gate))
+    out = []
+    for layer in adapter.layers(model):
+        for parent in layer.modules():
+            for name, child in parent.named_children():
+                if type(child) is nn.Linear and id(child) not in keep:
+                    out.append((parent, name))
+    return out
+
+
+def quantize_model(model, adapter, fmt: str) -> None:
+    """Store `model`'s weights in format `fmt` (in place; `full` leaves them as they are)."""
+    if fmt == "full":
+        return
+    if fmt != "fp8_block":
+        raise WeightFormatError(f"model.weights={fmt!r}: choose one of {', '.join(FORMATS)}")
+    with torch.no_grad():
+        for _, experts in adapter.moe_layers(model):
+            quantize_experts(experts)
+        for parent, name in quantized_linears(model, adapter):
+            setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name)))
+    model._moecg_weights = fmt
+
+
+def dequantize_model(model, adapter) -> None:
+    """Back to `full` (in place): every quantized weight replaced by its reference dequantization, so the model
+    computes what the quantized one does with plain modules (the reference every quantized path is held to)."""
+    with torch.no_grad():
+        for _, experts in adapter.moe_layers(model):
+            rows = getattr(experts, "_moecg_scale_rows", None)
+            if not rows:
+                continue
+            for name in list(rows):
+                w = stored(experts, name).dense()
+                delattr(experts, name + SCALE)
+                setattr(experts, name, nn.Parameter(w, requires_grad=False))
+            del experts._moecg_scale_rows, experts._moecg_dtype
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Fp8Linear):
+                    lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                    dtype=child.compute_dtype, device=child.weight.device)
+                    lin.weight.copy_(child.stored().dense())
+                    if child.bias is not None:
+                        lin.bias.copy_(child.bias)
+                    setattr(parent, name, lin)
+    model._moecg_weights = "full"
+
+
+def weight_format(model) -> str:
+    return getattr(model, "_moecg_weights", "full")
+
+
+@contextmanager
+def dequantized(experts: nn.Module):
+    """Inside: the experts module's quantized parameters replaced by their dequantized values (the reference), for
+    code that reads the parameters itself (HF's own experts loop); restored on exit. Not graph-safe (the loop it
+    serves is not either)."""
+    rows = getattr(experts, "_moecg_scale_rows", None)
+    if not rows:
+        yield experts
+        return
+    saved = {name: experts._parameters[name] for name in rows}
+    try:
+        for name in rows:
+            experts._parameters[name] = nn.Parameter(stored(experts, name).dense(), requires_grad=False)
+        yield experts
+    finally:
+        experts._parameters.update(saved)
+
+
+def stored_bytes(tensors) -> int:
+    """Bytes of weights as stored (values and scales), for tensors and BlockFp8s."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        total += t.stored_bytes() if isinstance(t, BlockFp8) else t.numel() * t.element_size()
+    return total
