@@ -93,16 +93,10 @@ def floor_bytes(model, adapter, experts_hit: list[int], rows: int, context: int)
 
 
 def expert_bytes(experts) -> int:
-    """Bytes of one expert's weights (and biases): what a step reads per expert it touches."""
-    return sum(p[0].numel() for p in _expert_params(experts)) * experts.gate_up_proj.element_size()
-
-
-def _expert_params(experts) -> list:
-    """The [E, ...] parameters of an experts module: weights, and biases where it has them (GPT-OSS)."""
-    names = ["gate_up_proj", "down_proj"]
-    if getattr(experts, "has_bias", False):
-        names += ["gate_up_proj_bias", "down_proj_bias"]
-    return [getattr(experts, n) for n in names]
+    """Bytes of one expert's weights as stored (values, block scales of a quantized format, biases): what a step reads
+    per expert it touches."""
+    E = experts.gate_up_proj.shape[0]  # the experts this module holds (an expert-parallel rank: its own)
+    return sum(p[0].numel() * p.element_size() for p in experts.parameters(recurse=False) if p.shape[0] == E)
 
 
 def step_floor_ms(engine, adapter, prompts, bandwidth_gbps: float | None, context: int,

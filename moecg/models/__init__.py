@@ -10,7 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from moecg.models.adapter import ADAPTERS, FamilyAdapter, adapter_for
 from moecg.models.skew import apply_router_skew, remove_router_skew
-from moecg.models.weights import quantize_model
+from moecg.models.weights import (checkpoint_format, dequantize_model, load_checkpoint, quantize_model,
+                                   weight_format)
 from moecg.models.zoo import FAMILIES, PRESETS, family_of_config, make_config
 
 __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "FamilyAdapter", "adapter_for", "apply_router_skew",
@@ -54,6 +55,18 @@ class BuiltModel:
     device: torch.device
     dtype: torch.dtype
     build_s: float
+    weights: str = "full"  # the weight format (moecg.models.weights.FORMATS)
+
+
+def _construct(model_cls, config, dt: torch.dtype, dev: torch.device):
+    """The model built on the target device in the target dtype: HF's init then runs there (seconds for 46B on a GPU)."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dt)
+    try:
+        with dev:
+            return model_cls(config)
+    finally:
+        torch.set_default_dtype(prev)
 
 
 def _attn_implementation(model_cls, requested: str) -> str:
@@ -67,24 +80,34 @@ def _attn_implementation(model_cls, requested: str) -> str:
 def build_model(preset: str | None = None, *, pretrained_path: str | None = None, num_layers: int | None = None,
                 dtype: str | None = "auto", device: str | None = "auto", seed: int = 0, router_skew: float = 0.0,
                 attn_implementation: str = "sdpa", config_overrides: dict | None = None,
-                weights: str = "full") -> BuiltModel:
+                weights: str | None = None) -> BuiltModel:
     """Build an HF MoE model in eval mode, weights created directly on `device` in `dtype`, then stored in format
-    `weights` (moecg.models.weights: `full` as built, `fp8_block` quantized in place)."""
+    `weights` (moecg.models.weights: `full` | `fp8_block`; None: as built or as the checkpoint stores them)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     if not pretrained_path and preset is not None and shipped_checkpoint(preset) is not None:
         pretrained_path = shipped_checkpoint(preset)  # models trained by moecg ship with it (model=*_stdlib)
+    stored = "full"
     if pretrained_path:
-        kwargs = {}
-        if num_layers is not None:
-            kwargs["num_hidden_layers"] = num_layers
-        _, model_cls = FAMILIES[family_of_config(AutoConfig.from_pretrained(pretrained_path, local_files_only=True))]
-        # no device_map: that path needs `accelerate`; a small checkpoint loads on CPU, then moves once
-        model = AutoModelForCausalLM.from_pretrained(
-            pretrained_path, dtype=dt, attn_implementation=_attn_implementation(model_cls, attn_implementation),
-            **kwargs).to(dev)
+        ckpt = AutoConfig.from_pretrained(pretrained_path, local_files_only=True)
+        stored = checkpoint_format(ckpt)
+        _, model_cls = FAMILIES[family_of_config(ckpt)]
+        attn = _attn_implementation(model_cls, attn_implementation)
+        if stored == "full":
+            kwargs = {} if num_layers is None else {"num_hidden_layers": num_layers}
+            # no device_map: that path needs `accelerate`; a small checkpoint loads on CPU, then moves once
+            model = AutoModelForCausalLM.from_pretrained(pretrained_path, dtype=dt, attn_implementation=attn,
+                                                         **kwargs).to(dev)
+        else:  # moecg reads the published quantized layout itself (HF's FP8 loader needs hub kernels)
+            del ckpt.quantization_config
+            if num_layers is not None:
+                ckpt.num_hidden_layers = num_layers
+            ckpt._attn_implementation = attn
+            model = _construct(model_cls, ckpt, dt, dev)
+            quantize_model(model, adapter_for(model), stored)
+            load_checkpoint(model, pretrained_path)
         name = preset or str(pretrained_path).rstrip("/").split("/")[-1]
     else:
         if preset is None:
@@ -92,19 +115,16 @@ def build_model(preset: str | None = None, *, pretrained_path: str | None = None
         config = make_config(preset, num_layers, config_overrides)
         _, model_cls = FAMILIES[family_of_config(config)]
         config._attn_implementation = _attn_implementation(model_cls, attn_implementation)
-        # Built on the target device in the target dtype: HF's init then runs there (seconds for 46B on a GPU).
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dt)
-        try:
-            with dev:
-                model = model_cls(config)
-        finally:
-            torch.set_default_dtype(prev)
+        model = _construct(model_cls, config, dt, dev)
         name = preset
     model.eval()
     family = family_of_config(model.config)
-    quantize_model(model, adapter_for(model), weights)
+    if weights is not None and weights != stored:
+        if weights == "full":
+            dequantize_model(model, adapter_for(model))
+        else:
+            quantize_model(model, adapter_for(model), weights)
     apply_router_skew(model, router_skew, seed)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    return BuiltModel(model, adapter_for(model), name, family, dev, dt, time.perf_counter() - t0)
+    return BuiltModel(model, adapter_for(model), name, family, dev, dt, time.perf_counter() - t0, weight_format(model))

@@ -19,13 +19,17 @@ quantized kernel is checked against it. (HF's own FP8 dequantizer multiplies in 
 """
 from __future__ import annotations
 
+import bisect
+import copy
 import math
 from contextlib import contextmanager
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from transformers.integrations.moe import ExpertsInterface
 
 FORMATS = ("full", "fp8_block")  # the `model.weights` values
 BLOCK = 128  # the published block edge, both dims
@@ -197,17 +201,35 @@ def quantized_linears(model, adapter) -> list[tuple[nn.Module, str]]:
     return out
 
 
+DEQUANTIZING = "moecg_dequantized"  # the ExpertsInterface implementation quantized models run without a dispatcher
+
+
+def _dequantizing_forward(self, *args, **kwargs):
+    """HF's experts implementation the model had before quantization, on the dequantized weights (the reference; a
+    moecg dispatcher, once attached, replaces it)."""
+    inner = ExpertsInterface().get_interface(self._moecg_base_impl, type(self).forward.__wrapped__)
+    with dequantized(self):
+        return inner(self, *args, **kwargs)
+
+
+ExpertsInterface.register(DEQUANTIZING, _dequantizing_forward)
+
+
 def quantize_model(model, adapter, fmt: str) -> None:
     """Store `model`'s weights in format `fmt` (in place; `full` leaves them as they are)."""
     if fmt == "full":
         return
     if fmt != "fp8_block":
         raise WeightFormatError(f"model.weights={fmt!r}: choose one of {', '.join(FORMATS)}")
+    base = model.config._experts_implementation
     with torch.no_grad():
         for _, experts in adapter.moe_layers(model):
             quantize_experts(experts)
+            experts._moecg_base_impl = base
         for parent, name in quantized_linears(model, adapter):
             setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name)))
+    if adapter.moe_layers(model) and base != DEQUANTIZING:
+        model.set_experts_implementation(DEQUANTIZING)
     model._moecg_weights = fmt
 
 
@@ -223,7 +245,10 @@ def dequantize_model(model, adapter) -> None:
                 w = stored(experts, name).dense()
                 delattr(experts, name + SCALE)
                 setattr(experts, name, nn.Parameter(w, requires_grad=False))
-            del experts._moecg_scale_rows, experts._moecg_dtype
+            base = experts._moecg_base_impl
+            del experts._moecg_scale_rows, experts._moecg_dtype, experts._moecg_base_impl
+            if model.config._experts_implementation == DEQUANTIZING:
+                model.set_experts_implementation(base)
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, Fp8Linear):
@@ -266,3 +291,176 @@ def stored_bytes(tensors) -> int:
             continue
         total += t.stored_bytes() if isinstance(t, BlockFp8) else t.numel() * t.element_size()
     return total
+
+
+# ------------------------------------------------------------------------------------------------------------
+# checkpoints in the published layout (HF's per-expert tensor names, `<weight>_scale_inv` beside each e4m3 weight)
+QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def checkpoint_format(config) -> str:
+    """The weight format of a checkpoint's config (`quantization_config`), refused where moecg does not know it."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return "full"
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise WeightFormatError(f"quantization_config.quant_method={method!r}: moecg reads fp8 (block-scaled e4m3, "
+                                "the DeepSeek-V3 / Qwen3 FP8 releases) checkpoints; dequantize this one to bf16 first")
+    for key in ("fmt", "activation_scheme", "weight_block_size"):
+        if key in qc and qc[key] is not None and qc[key] != QUANT_CONFIG[key]:
+            raise WeightFormatError(f"quantization_config.{key}={qc[key]!r}: moecg's fp8_block format is "
+                                    f"{key}={QUANT_CONFIG[key]!r} (block-scaled e4m3 weights, bf16 activations)")
+    if qc.get("weight_block_size") is None:
+        raise WeightFormatError("quantization_config.weight_block_size is missing: moecg reads per-block scales "
+                                "(weight_block_size: [128, 128]); per-tensor FP8 checkpoints are not supported")
+    return "fp8_block"
+
+
+def _quantized_params(model) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
+    """state_dict name of every quantized weight -> (values, scales, rows per scale row)."""
+    out = {}
+    for mname, module in model.named_modules():
+        prefix = f"{mname}." if mname else ""
+        if isinstance(module, Fp8Linear):
+            out[prefix + "weight"] = (module.weight, module.weight_scale_inv, BLOCK)
+        for name, rows in getattr(module, "_moecg_scale_rows", {}).items():
+            out[prefix + name] = (getattr(module, name), getattr(module, name + SCALE), rows)
+    return out
+
+
+def _published_rows(model, state: dict) -> dict[str, tuple[str, torch.Tensor, tuple]]:
+    """Published tensor name -> (the model's state_dict name, the flat row ids [n] of that parameter it holds, its
+    published shape but the last dim), from HF's own save-time conversion applied to row-id tensors: every family's
+    renaming and per-expert split is HF's. A parameter [..., K] is rows [prod(...), K]; a 1-d one [n] rows of one."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    tags, names, bases = {}, [], []
+    base = 0
+    for name, t in state.items():
+        if name.endswith(SCALE):
+            continue  # a weight's scales follow its rows
+        n = t.shape[:-1].numel() if t.dim() > 1 else t.shape[0]
+        # row ids unique across parameters: a published tensor's first id names the parameter it came from
+        ids = torch.arange(base, base + n)
+        tags[name] = ids.view(*t.shape[:-1], 1) if t.dim() > 1 else ids
+        names.append(name)
+        bases.append(base)
+        base += n
+    out = {}
+    for pub, tag in revert_weight_conversion(model, tags).items():
+        flat = tag.reshape(-1)
+        j = bisect.bisect_right(bases, int(flat[0])) - 1
+        out[pub] = (names[j], flat - bases[j], tuple(tag.shape[:-1]) if state[names[j]].dim() > 1 else ())
+    return out
+
+
+class _ScaleRows:
+    """The scale rows of a published tensor's rows (row ids `rows` of a weight [..., N, K], published shape `lead` +
+    [K]) inside that weight's scale [..., ceil(N/g), nk] (each scale row covers g weight rows): one per g published
+    rows, in the published order."""
+
+    def __init__(self, scale, g, rows, n, lead):
+        r = rows.view(*lead)[..., ::g]  # the first of every g published rows
+        if (rows.view(*lead).diff(dim=-1) != 1).any() or (r % n % g).any():
+            raise WeightFormatError(f"published rows do not fall on whole {g}-row scale groups of the fused weight")
+        self.flat = scale.view(-1, scale.shape[-1])
+        self.ids = r // n * scale.shape[-2] + r % n // g  # [..., ceil(rows/g)]
+
+    def __getitem__(self, key):
+        return self.flat[self.ids][key]
+
+    def __setitem__(self, key, value):
+        assert key is Ellipsis
+        self.flat[self.ids.reshape(-1)] = value.reshape(-1, self.flat.shape[-1]).to(self.flat.dtype)
+
+
+def _scale_rows(weight, scale, g, rows, lead) -> _ScaleRows:
+    return _ScaleRows(scale, g, rows, weight.shape[-2], lead)
+
+
+def _state(model) -> dict:
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    return remove_tied_weights_from_state_dict(model.state_dict(), model)
+
+
+def save_checkpoint(model, path: str) -> None:
+    """Write `model` (any weight format) as a checkpoint in the published layout: HF's per-expert tensor names, and for
+    fp8_block the e4m3 weights with `<name>_scale_inv` beside each (one fp32 scale per 128 x 128 block of that
+    tensor) and the published `quantization_config`. model=local reads it back (load_checkpoint)."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = _state(model)
+    quant = _quantized_params(model)
+    tensors = {}
+    for pub, (name, rows, lead) in _published_rows(model, state).items():
+        t = state[name]
+        if t.dim() > 1:
+            tensors[pub] = t.reshape(-1, t.shape[-1])[rows].reshape(*lead, t.shape[-1]).contiguous()
+        else:
+            tensors[pub] = t[rows].contiguous()
+        if name in quant:
+            _, scale, g = quant[name]
+            # the tensor's own 128-row blocks: the scale row of every 128th of its rows (g divides 128)
+            tensors[pub + SCALE] = _scale_rows(state[name], scale.detach(), g, rows, lead)[..., :: BLOCK // g, :].contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(model.config)
+    if weight_format(model) == "fp8_block":
+        config.quantization_config = dict(QUANT_CONFIG)
+    elif hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(str(out))
+
+
+def load_checkpoint(model, path: str) -> None:
+    """Fill `model` (built from the checkpoint's config and stored in its format, e.g. by quantize_model) from the
+    checkpoint at `path` in the published layout (save_checkpoint's, HF's per-expert names, or HF's fused ones).
+    Every tensor of the model must be found, with the shape it publishes; scales of a fused weight whose blocks
+    straddle its parts are refused (they cannot be split exactly)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise WeightFormatError(f"model.pretrained_path={path}: no *.safetensors files")
+    handles = [safe_open(str(f), "pt", device="cpu") for f in files]
+    where = {k: h for h in handles for k in h.keys()}
+    state = _state(model)
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    quant = _quantized_params(model)
+    filled = set()
+    with torch.no_grad():
+        for pub, (name, rows, lead) in _published_rows(model, state).items():
+            if pub not in where:
+                raise WeightFormatError(f"model.pretrained_path={path}: no tensor {pub} (the model's {name})")
+            src = where[pub].get_tensor(pub)
+            dst = params[name]
+            want = (*lead, dst.shape[-1]) if dst.dim() > 1 else (rows.numel(),)
+            if tuple(src.shape) != want:
+                raise WeightFormatError(f"model.pretrained_path={path}: {pub} is {tuple(src.shape)}, the model "
+                                        f"expects {want} (its config and tensors disagree)")
+            if name in quant and src.dtype != FP8:
+                raise WeightFormatError(f"model.pretrained_path={path}: {pub} is {src.dtype}; the checkpoint's "
+                                        "quantization_config says fp8 (e4m3) weights")
+            flat = dst.view(-1, dst.shape[-1]) if dst.dim() > 1 else dst.view(-1)
+            flat[rows] = src.reshape(flat[rows].shape).to(dst.dtype)
+            filled.add(name)
+            if name in quant:
+                _, scale, g = quant[name]
+                key = pub + SCALE
+                if key not in where:
+                    raise WeightFormatError(f"model.pretrained_path={path}: {pub} has no {key} beside it")
+                s = where[key].get_tensor(key).float()
+                want = (*lead[:-1], math.ceil(lead[-1] / BLOCK), scale.shape[-1])
+                if tuple(s.shape) != want:
+                    raise WeightFormatError(f"model.pretrained_path={path}: {key} is {tuple(s.shape)}, expected "
+                                            f"{want} (one scale per 128 x 128 block of {pub})")
+                _scale_rows(dst, scale, g, rows, lead)[...] = s.repeat_interleave(BLOCK // g, dim=-2)[
+                    ..., : math.ceil(lead[-1] / g), :]
+    missing = sorted(set(state) - filled - {n + SCALE for n in quant})
+    if missing:
+        raise WeightFormatError(f"model.pretrained_path={path}: the model's {missing[0]} was not in the checkpoint")
