@@ -46,7 +46,11 @@ FIELDS: tuple[Field, ...] = (
     _f("num_layers", "what", "decoder layers"),
     _f("num_experts", "what", "routed experts per MoE layer"),
     _f("top_k", "what", "experts per token"),
-    _f("dtype", "what", "weights and activations"),
+    _f("dtype", "what", "activations, and the weights a format does not quantize (model.dtype)"),
+    _f("weights", "what", "the weight format (model.weights): full (every weight in dtype) | fp8_block (e4m3 values, "
+       "one fp32 scale per 128 x 128 block: experts, shared experts, dense MLPs and attention projections)",
+       _S, _A, _X, config=("model.weights",)),
+    _f("weight_bytes", "what", "bytes of all the model's parameters as stored (values + block scales)"),
     _f("attn_implementation", "what", "the attention HF's modules ran (model.attn_implementation, or eager where the "
        "family has no sdpa path: GPT-OSS's sinks)"),
     _f("device", "what", "cpu | cuda"),

@@ -17,6 +17,8 @@ from transformers.utils import (is_flash_attn_2_available, is_flash_attn_3_avail
 
 from moecg.config.readers import PlanError, as_float, as_int
 from moecg.models import FAMILIES, PRESETS, _attn_implementation, make_config, shipped_checkpoint
+from moecg.models.adapter import ADAPTERS
+from moecg.models.weights import FORMATS, WeightFormatError, checkpoint_format
 from moecg.models.zoo import family_of_config
 
 
@@ -32,6 +34,9 @@ class ModelConfig:
     dtype: Any = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     router_skew: Any = 0.0  # >= 0; 0 = HF router; > 0 biases logits toward a few experts per layer (Zipf-like)
     attn_implementation: Any = "sdpa"  # HF's attention; a preset whose family has no sdpa (GPT-OSS's sinks) gets eager
+    # how the weights are stored (moecg.models.weights.FORMATS): full | fp8_block; null: as built (presets, shipped
+    # models: full) or as the checkpoint stores them (model=local: its quantization_config)
+    weights: Any = None
 
     def resolve(self) -> ModelPlan:
         """The HF config the model will be built from (no weights), its family and depth."""
@@ -67,8 +72,24 @@ class ModelConfig:
             family = family_of_config(config)
         except ValueError as e:
             raise PlanError(f"model: {e}") from None
+        weights = self._weights(config, family, path)
         return ModelPlan(preset, path, num_layers, self.dtype, skew, self.attn_implementation, family, config,
-                         int(config.num_hidden_layers))
+                         int(config.num_hidden_layers), weights)
+
+    def _weights(self, config, family: str, path: str | None) -> str:
+        """The weight format the run builds: model.weights, else the checkpoint's (refused where unknown)."""
+        try:
+            stored = checkpoint_format(config)
+        except WeightFormatError as e:
+            raise PlanError(f"model.pretrained_path={path}: its config.json's {e}") from None
+        fmt = self.weights if self.weights is not None else stored
+        if fmt not in FORMATS:
+            raise PlanError(f"model.weights={fmt!r}: choose one of {', '.join(FORMATS)} (null: as the checkpoint "
+                            "stores them)")
+        if fmt == "fp8_block" and ADAPTERS[family].transposed_experts:
+            raise PlanError(f"model.weights=fp8_block: {family} stores its experts transposed ([E, D, 2I]); "
+                            "block-FP8 covers the [E, 2I, D] layout of the other families: use model.weights=full")
+        return fmt
 
 
 # HF's flash attention versions and their availability checks (they look for the package, never import it)
@@ -127,6 +148,7 @@ class ModelPlan:
     family: str
     config: object = field(repr=False, compare=False)  # the HF config the model will be built from
     layers: int = 0  # decoder layers the model will have
+    weights: str = "full"  # the weight format it is built in (moecg.models.weights.FORMATS)
 
 
 def options() -> dict[str, ModelConfig]:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from moecg.moe_math import DROP_POLICIES, capacity
 from moecg.kernels.launch import dry_zeros, launch, p2
-from moecg.kernels.moe import ExpertArgs, down_tile, up_tile
+from moecg.kernels.moe import ExpertArgs, down_tile, quant_k, up_tile
 from moecg.kernels.tiles import moe_tiles
 
 BLOCK_T = 64  # tokens per ranking chunk: one chunk at every decode bucket up to 64
@@ -155,7 +155,8 @@ def _cap_up_kernel(x_ptr, valid_ptr, w_ptr, b_ptr, h_ptr, slot_ptr, nk_ptr, keep
                    T, C, D, I, s_xt, s_we, s_wj, s_wk, s_be, s_hs, alpha, limit,
                    K: tl.constexpr, KP: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr,
                    JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                   ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr):
     e = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
@@ -177,7 +178,8 @@ def _cap_up_kernel(x_ptr, valid_ptr, w_ptr, b_ptr, h_ptr, slot_ptr, nk_ptr, keep
     if (mb == 0) | (n_kept > mb * BLOCK_M):
         dt = h_ptr.dtype.element_ty
         hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
-                             limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K)
+                             limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
+                             QROWS)
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
@@ -185,14 +187,15 @@ def _cap_up_kernel(x_ptr, valid_ptr, w_ptr, b_ptr, h_ptr, slot_ptr, nk_ptr, keep
 def _cap_down_kernel(h_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, nk_ptr, keep_ptr,
                      C, D, I, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, KP: tl.constexpr,
                      RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr):
     e = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
     n_kept, rows, rmask = _slot_rows(slot_ptr, nk_ptr, e, mb, C, BLOCK_M)
     if (mb == 0) | (n_kept > mb * BLOCK_M):
         o, n, nm = down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
-                              h_ptr.dtype.element_ty, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)
+                              h_ptr.dtype.element_ty, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
+                              QROWS)
         tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         if RENORM:  # rescaled to the token's original total over its kept assignments, from the keep flags
             k = tl.arange(0, KP)
@@ -215,6 +218,7 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
     T, K = idx.shape
     D = x.shape[1]
     a = ExpertArgs(gate_up, down, spec, gate_up_bias, down_bias)
+    gate_up, down = a.gate_up, a.down
     E, inter = a.num_experts, a.inter
     S = T * K
     assert x.stride(1) == 1 and idx.is_contiguous()
@@ -245,11 +249,12 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
         c.lost_all if cnt else h, T, C, D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
         K=K, KP=KP, HAS_VALID=has_valid, COUNT=cnt, JM=a.jm, JU=a.ju, HAS_BIAS=gate_up_bias is not None, ACT=a.act,
-        BLOCK_M=t.block_m, BLOCK_N=t.up_n, BLOCK_K=t.up_k, BLOCK_T=BLOCK_T, num_warps=t.warps, num_stages=t.stages)
+        BLOCK_M=t.block_m, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale), BLOCK_T=BLOCK_T, num_warps=t.warps,
+        num_stages=t.stages, **a.up_scale)
     launch(_cap_down_kernel, (E, m_blocks, triton.cdiv(D, t.down_n)),
         h, wc, down, down_bias if down_bias is not None else h, y, slots, n_kept, keep,
         C, D, inter, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, KP=KP, RENORM=bool(renormalize),
-        HAS_BIAS=down_bias is not None, BLOCK_M=t.block_m, BLOCK_N=t.down_n, BLOCK_K=t.down_k,
-        num_warps=t.warps, num_stages=t.stages)
+        HAS_BIAS=down_bias is not None, BLOCK_M=t.block_m, BLOCK_N=t.down_n, BLOCK_K=quant_k(t.down_k, a.down_scale),
+        num_warps=t.warps, num_stages=t.stages, **a.down_scale)
     return y

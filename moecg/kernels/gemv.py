@@ -17,6 +17,7 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
+from moecg.models.weights import BLOCK, BlockFp8
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -51,10 +52,13 @@ def silu_mul(gu, inter: int):
 # this is one kernel with no workspace. Which shapes take it: moecg.kernels.tiles.gemv_tiles (a table from bench_gemv.py).
 # The same kernel serves per-head projections (head_linear: program_id(1) is the head, with its strides; W may be a
 # strided view, s_wk its K stride); the plain linear has one head and s_wk 1.
+# A block-FP8 weight (QROWS > 0: e4m3 values, fp32 scales ws [N / QROWS, K / 128], moecg.models.weights) is
+# dequantized in registers as the reference does (fp32 product, rounded to x's dtype) before the same tl.dot, a K step
+# inside one 128-column scale block; program_id(2) then takes BLOCK_T rows each, so any T runs it.
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
-                 s_xh=0, s_wh=0, s_yh=0, s_wk=1):
+                 s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0):
     pdl_enter(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     hd = tl.program_id(1)
@@ -62,7 +66,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     w_ptr += hd * s_wh
     y_ptr += hd * s_yh
     nm = n < N
-    t = tl.arange(0, BLOCK_T)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -70,6 +74,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
         km = k < K
         x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+        if QROWS:
+            sw = tl.load(ws_ptr + (n // QROWS) * s_sn + (k0 // 128) * s_sk, mask=nm, other=0.0)  # [BLOCK_N] fp32
+            w = (w.to(tl.float32) * sw[:, None]).to(x.dtype)
         acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -79,10 +86,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
 GEMV_MAX_T = 16  # rows one program's tl.dot block holds
 
 
+FP8_TILES = _tiles.GemvTiles(64, 128, 4, 3)  # a block-FP8 weight's GEMV where the table has no rule for its shape
+
+
 @dry_zeros
 def linear(x, w, bias=None, tiles=None):
     """As ref.linear. tiles: a moecg.kernels.tiles.GemvTiles (the Triton GEMV) or None: the table's choice for this
-    shape (gemv_tiles), which is cuBLAS (F.linear) where no rule holds."""
+    shape (gemv_tiles), which is cuBLAS (F.linear) where no rule holds. A block-FP8 weight (BlockFp8) always runs the
+    Triton GEMV, on its values and scales, any T (BLOCK_T rows per program along grid dim 2)."""
+    if isinstance(w, BlockFp8):
+        return _linear_fp8(x, w, bias, tiles)
     T, K = x.shape
     N = w.shape[0]
     t = tiles or _tiles.gemv_tiles(T, N, K)
@@ -93,6 +106,21 @@ def linear(x, w, bias=None, tiles=None):
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n),), x, w, bias if bias is not None else y, y, T, N, K,
             x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=16, BLOCK_N=t.block_n,
             BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device, t.pdl_trigger))
+    return y
+
+
+def _linear_fp8(x, w, bias, tiles):
+    T, K = x.shape
+    N = w.q.shape[0]
+    t = tiles or _tiles.gemv_tiles(min(T, GEMV_MAX_T), N, K) or FP8_TILES
+    assert x.stride(1) == 1 and w.q.stride(1) == 1 and (bias is None or bias.stride(0) == 1)
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    s = w.scale
+    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, GEMV_MAX_T)), x, w.q,
+           bias if bias is not None else y, y, T, N, K, x.stride(0), w.q.stride(0), y.stride(0),
+           HAS_BIAS=bias is not None, BLOCK_T=GEMV_MAX_T, BLOCK_N=t.block_n, BLOCK_K=min(t.block_k, BLOCK),
+           num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows,
+           **pdl_args(x.device, t.pdl_trigger))
     return y
 
 

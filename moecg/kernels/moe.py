@@ -16,6 +16,7 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
+from moecg.models.weights import BLOCK, BlockFp8
 
 
 # dropless MoE for small token counts (decode): grid (expert, row block, column block). Each program finds the
@@ -51,9 +52,13 @@ def _rows_for(idx_ptr, valid_ptr, e, mb, S, K: tl.constexpr, HAS_VALID: tl.const
 @triton.jit
 def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha, limit,
              dt: tl.constexpr, K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr,
-             ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr):
     """act(gate, up) of assignments `rows` [BLOCK_M] (token = row // K) for expert e's columns block nb
-    -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask)."""
+    -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask).
+    QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.weights), each tile
+    dequantized in registers as the reference does (fp32 product, rounded to dt) before the same tl.dot; a K step
+    stays inside one 128-column scale block (BLOCK_K divides 128)."""
     tok = rows // K
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
@@ -69,6 +74,12 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
         u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+        if QROWS:
+            sb = ws_ptr + e.to(tl.int64) * s_se + (k0 // 128) * s_sk
+            sg = tl.load(sb + (jg // QROWS) * s_sj, mask=nm, other=0.0)  # [BLOCK_N] fp32
+            su = tl.load(sb + (ju // QROWS) * s_sj, mask=nm, other=0.0)
+            g = (g.to(tl.float32) * sg[:, None]).to(dt)
+            u = (u.to(tl.float32) * su[:, None]).to(dt)
         acc_g = tl.dot(x, tl.trans(g), acc_g)
         acc_u = tl.dot(x, tl.trans(u), acc_u)
     g = acc_g.to(dt).to(tl.float32)
@@ -91,9 +102,10 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
 
 @triton.jit
 def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr):
     """The unrounded fp32 down-projection sum over I in [k_lo, k_hi) of h rows `rows` for output columns block nb
-    -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask)."""
+    -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask). QROWS > 0: e4m3 weights, as up_tile's."""
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < D
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -103,6 +115,10 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
         km = kk < k_hi
         h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+        if QROWS:
+            sw = tl.load(ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj + (k0 // 128) * s_sk, mask=nm,
+                         other=0.0)  # [BLOCK_N] fp32
+            w = (w.to(tl.float32) * sw[:, None]).to(h.dtype)
         acc = tl.dot(h, tl.trans(w), acc)
     return acc, n, nm
 
@@ -120,11 +136,11 @@ def _down_round(acc, e, n, nm, b_ptr, s_be, dt: tl.constexpr, HAS_BIAS: tl.const
 @triton.jit
 def down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
                dt: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr):
     """Expert e's down projection of h rows `rows` for output columns block nb, rounded (and biased) as HF
     -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask); the caller applies the routing weight."""
     acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
-                           BLOCK_M, BLOCK_N, BLOCK_K)
+                           BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS)
     return _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS), n, nm
 
 
@@ -155,7 +171,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    K: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr, JM: tl.constexpr,
                    JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr):
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     mb = tl.program_id(1)
@@ -186,7 +202,8 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
     if lead & (cnt > mb * BLOCK_M):
         dt = h_ptr.dtype.element_ty
         hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
-                             limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K)
+                             limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
+                             QROWS)
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
@@ -194,7 +211,8 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
 def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, part_ptr, sem_ptr, S, by_slot, D, I,
                      k_chunk, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, HAS_VALID: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk,
+                     QROWS: tl.constexpr):
     """SPLIT > 1 (split-K over I, for batch-1 steps whose column blocks alone are too few programs): each of a
     tile's SPLIT programs stores its fp32 partial sum, and the last to finish (a per-tile counter) adds the
     partials in split order, so the result is deterministic and rounded once, as without splits; it then
@@ -218,14 +236,14 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
         dt = h_ptr.dtype.element_ty
         if SPLIT == 1:
             acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
-                                   BLOCK_M, BLOCK_N, BLOCK_K)
+                                   BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS)
             o = _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS)
             tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
         else:
             k_lo = ks * k_chunk
             acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, tl.minimum(k_lo + k_chunk, I),
-                                   s_hs, s_we, s_wn, s_wk, BLOCK_M, BLOCK_N, BLOCK_K)
+                                   s_hs, s_we, s_wn, s_wk, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS)
             om = rmask[:, None] & nm[None, :]
             tile_off = rows[:, None] * D + n[None, :]  # part: [SPLIT, S, D] fp32
             tl.store(part_ptr + ks * S * D + tile_off, acc, mask=om)
@@ -242,11 +260,29 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                 tl.store(sem_ptr + tile, 0)
 
 
+def _scale_args(w, transposed: bool):
+    """(scale kernel arguments: ptr, its three strides, QROWS (0: not quantized) as a dict, the values tensor)."""
+    if not isinstance(w, BlockFp8):
+        return {"ws_ptr": w, "s_se": 0, "s_sj": 0, "s_sk": 0, "QROWS": 0}, w
+    if transposed:
+        raise ValueError("block-FP8 experts in the transposed layout ([E, D, 2I]) have no kernel")
+    s = w.scale
+    return {"ws_ptr": s, "s_se": s.stride(0), "s_sj": s.stride(1), "s_sk": s.stride(2), "QROWS": w.rows}, w.q
+
+
+def quant_k(block_k: int, scale: dict) -> int:
+    """A K step of a quantized GEMM stays inside one 128-wide scale block."""
+    return min(block_k, BLOCK) if scale["QROWS"] else block_k
+
+
 class ExpertArgs:
     """The layout arguments both MoE kernel families take, read off the weights and the adapter's ExpertSpec."""
 
     def __init__(self, gate_up, down, spec=None, gate_up_bias=None, down_bias=None):
         transposed = spec is not None and spec.transposed
+        # block-FP8 weights (moecg.models.weights.BlockFp8): the kernels read values and scales, (ptr, strides, rows)
+        self.up_scale, gate_up = _scale_args(gate_up, transposed)
+        self.down_scale, down = _scale_args(down, transposed)
         self.act = 0 if spec is None or spec.act == "silu" else 1
         if self.act and spec.act != "swiglu_clamp":
             raise ValueError(f"expert activation {spec.act!r}: the MoE kernel knows silu and swiglu_clamp")
@@ -275,6 +311,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     T, K = idx.shape
     D = x.shape[1]
     a = ExpertArgs(gate_up, down, spec, gate_up_bias, down_bias)
+    gate_up, down = a.gate_up, a.down
     E, inter = a.num_experts, a.inter
     S = T * K
     assert x.stride(1) == 1 and idx.is_contiguous()
@@ -297,11 +334,12 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
         K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=a.jm, JU=a.ju,
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
-        BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=t.up_k, BLOCK_S=64, num_warps=t.warps, num_stages=t.stages,
-        **pdl_args(x.device, t.pdl_trigger))
+        BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale), BLOCK_S=64, num_warps=t.warps,
+        num_stages=t.stages, **a.up_scale, **pdl_args(x.device, t.pdl_trigger))
     n_blocks = triton.cdiv(D, t.down_n)
+    down_k = quant_k(t.down_k, a.down_scale)
     if split > 1:
-        k_chunk = triton.cdiv(triton.cdiv(inter, split), t.down_k) * t.down_k
+        k_chunk = triton.cdiv(triton.cdiv(inter, split), down_k) * down_k
         split = triton.cdiv(inter, k_chunk)
     else:
         k_chunk = inter
@@ -311,6 +349,6 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         h, idx, valid if valid is not None else idx, wc, down, down_bias if down_bias is not None else h, y, part,
         sems, S, int(by_slot), D, inter, k_chunk, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
-        HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=t.down_k, BLOCK_S=64,
-        num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device, t.pdl_trigger))
+        HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=down_k, BLOCK_S=64,
+        num_warps=t.warps, num_stages=t.stages, **a.down_scale, **pdl_args(x.device, t.pdl_trigger))
     return y

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moecg.models.weights import dense
 from moecg.moe_math import add_counters, assign_slots, count_valid, kept_weights, route_counts, routed_mass
 
 
@@ -267,8 +268,9 @@ def route_topk_softmax(logits, top_k: int):
 # ------------------------------------------------------------------------------------------------------------
 def linear(x, w, bias=None, tiles=None):
     """x [T, K] @ w [N, K]^T (+ bias [N]) -> [T, N] in x's dtype: F.linear (cuBLAS on CUDA), fp32 accumulation,
-    rounded once. tiles: the Triton GEMV's tile choice (moecg.kernels.tiles.GemvTiles); no meaning here."""
-    return F.linear(x, w, bias)
+    rounded once. w: a tensor, or a block-FP8 weight (moecg.models.weights.BlockFp8), dequantized first.
+    tiles: the Triton GEMV's tile choice (moecg.kernels.tiles.GemvTiles); no meaning here."""
+    return F.linear(x, dense(w), bias)
 
 
 def head_linear(x, w, tiles=None):
@@ -315,6 +317,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     """
     T, K = idx.shape
     transposed = spec is not None and spec.transposed
+    gate_up, down = dense(gate_up), dense(down)  # block-FP8 weights: the format's reference dequantization
     E = gate_up.shape[0]
     D = x.shape[1]
     sel = idx.reshape(-1)  # [S]

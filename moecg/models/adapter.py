@@ -124,6 +124,7 @@ class FamilyAdapter:
     moe_returns_tuple: bool = False  # the MoE block returns (hidden, router scores) (GPT-OSS), not hidden
     static_features: tuple[str, ...] = ()  # FEATURES keys every model of the family has
     partial_rotary: bool = False  # the attention rotates only partial_rotary_factor of each head (GLM-4-MoE)
+    transposed_experts: bool = False  # experts stored [E, D, 2I] / [E, I, D] (HF is_transposed; GPT-OSS)
 
     # -- model level ------------------------------------------------------------------------------
     def layers(self, model: nn.Module) -> nn.ModuleList:
@@ -436,7 +437,7 @@ ADAPTERS = {
                               router_weights_fp32=True, windows="none", partial_rotary=True),
     "olmoe": FamilyAdapter("olmoe", windows="none", static_features=("qk_norm_full",)),
     "gpt_oss": FamilyAdapter("gpt_oss", router="router", router_kind="topk_softmax", windows="layer_types",
-                             moe_returns_tuple=True, static_features=("attention_sinks", "clamped_swiglu_experts",
+                             moe_returns_tuple=True, transposed_experts=True, static_features=("attention_sinks", "clamped_swiglu_experts",
                                                                       "rmsnorm_cast_last")),
 }
 

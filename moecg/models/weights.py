@@ -91,14 +91,14 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, rows: int, dtype: torch.dty
 
 def fuse_rows(parts: list[tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Quantized weights (q [.., N_i, K], scale, rows_i) stacked along N -> (q, scale, rows) of the stack, exactly:
-    rows = gcd of the parts' rows and row counts, each part's scale rows repeated to that granularity."""
+    rows = gcd of the parts' rows and of the offsets where parts start, each part's scale rows repeated to it."""
     g = 0
-    for q, _, r in parts:
-        g = math.gcd(g, math.gcd(r, q.shape[-2]))
+    for i, (q, _, r) in enumerate(parts):
+        g = math.gcd(g, r if i == len(parts) - 1 else math.gcd(r, q.shape[-2]))
     qs, ss = [], []
     for q, s, r in parts:
         qs.append(q)
-        ss.append(s.repeat_interleave(r // g, dim=-2)[..., : q.shape[-2] // g, :])
+        ss.append(s.repeat_interleave(r // g, dim=-2)[..., : math.ceil(q.shape[-2] / g), :])
     return torch.cat(qs, dim=-2), torch.cat(ss, dim=-2), g
 
 

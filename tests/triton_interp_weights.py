@@ -1,0 +1,91 @@
+"""Run by tests/test_weights.py under TRITON_INTERPRET=1: the Triton kernels on block-FP8 weights (moecg.models.weights)
+on CPU tensors (fp32 activations). Each quantized kernel must give exactly what the same kernel gives on the
+reference-dequantized weights (it dequantizes in registers as the reference does, then runs the same tl.dot), and
+match the PyTorch dequantize-then-matmul reference within 1e-4: the GEMV (any T, bias, scale groups of 128 and of
+fewer rows), the dropless MoE kernels (expert and slot grids, split-K down, pad rows, counters) and the capacity
+kernels. Prints ALL OK when every check passes; any mismatch raises.
+Dims: T tokens, K top-k, E experts, D hidden, I expert intermediate, N/K a projection's.
+"""
+import os
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from moecg.dispatch.state import DispatchState  # noqa: E402
+from moecg.dispatch.base import Dispatcher  # noqa: E402
+from moecg.kernels import ref  # noqa: E402
+from moecg.kernels import triton_ops as tri  # noqa: E402
+from moecg.kernels.tiles import GemvTiles, MoeTiles  # noqa: E402
+from moecg.models.weights import BLOCK, BlockFp8, fuse_rows, quantize  # noqa: E402
+
+from interp_common import close  # noqa: E402 (tests/, this script's directory)
+
+torch.manual_seed(0)
+f32 = torch.float32
+
+
+def q8(w, parts=1):
+    """w [..., N, K] quantized as `parts` equal row blocks (gate | up), fused: a BlockFp8 in fp32."""
+    n = w.shape[-2] // parts
+    q, s, rows = fuse_rows([(*quantize(w[..., i * n:(i + 1) * n, :]), BLOCK) for i in range(parts)])
+    return BlockFp8(q, s, rows, f32)
+
+
+# GEMV: N/K spanning several 128-blocks with ragged tails, one row group of 64 (two fused parts of 64 rows)
+for T, N, K, parts, bias in ((1, 300, 200, 1, False), (5, 384, 256, 1, True), (21, 128, 160, 2, False),
+                             (3, 96, 64, 1, True)):
+    wq = q8(torch.randn(N, K), parts)
+    x = torch.randn(T, K)
+    b = torch.randn(N) if bias else None
+    got = tri.linear(x, wq, b)
+    same = tri.linear(x, wq.dense(), b, tiles=GemvTiles(64, 128, 4, 3)) if T <= 16 else None
+    if same is not None:
+        assert torch.equal(got, same), (T, N, K)
+    close(got, ref.linear(x, wq, b), 1e-4)
+    for tiles in (GemvTiles(16, 256, 4, 3), GemvTiles(32, 64, 4, 2)):  # K step above 128 is clamped to the block
+        close(tri.linear(x, wq, b, tiles=tiles), got, 1e-4)
+
+
+class _Counting(Dispatcher):
+    drops = True
+
+
+def counters(E):
+    st = DispatchState(_Counting(), [0], E, 8, torch.device("cpu"))
+    return st, st.layer(0)
+
+
+# dropless MoE: I = 96 (fused gate|up groups of 32 rows), D = 320 (ragged last K block), split-K down, pad rows
+E, D, I = 6, 320, 96
+gate_up = q8(torch.randn(E, 2 * I, D) * 0.1, 2)
+down = q8(torch.randn(E, D, I) * 0.1)
+assert gate_up.rows == 32 and down.rows == BLOCK
+for T, K, grid, split, valid in ((1, 2, "slot", 2, None), (4, 2, "expert", 1, torch.tensor([1, 1, 0, 1]) != 0),
+                                 (9, 3, "auto", 3, None)):
+    x = torch.randn(T, D)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    tiles = MoeTiles(block_m=16, up_n=32, up_k=256, down_n=64, down_k=64, down_split=split)
+    st1, c1 = counters(E)
+    st2, c2 = counters(E)
+    got = tri.moe_experts(x, idx, w, gate_up, down, valid, c1, tiles=tiles, grid=grid)
+    same = tri.moe_experts(x, idx, w, gate_up.dense(), down.dense(), valid, c2,
+                           tiles=MoeTiles(16, 32, 128, 64, 64, 4, 4, split), grid=grid)
+    assert torch.equal(got, same), (T, K, grid)
+    close(got, ref.moe_experts(x, idx, w, gate_up, down, valid), 1e-4)
+    assert st1.snapshot()["routed"] == st2.snapshot()["routed"]
+
+# capacity kernels: a drop-heavy factor and the same kernels on the dequantized weights
+for T, K, cf in ((6, 2, 0.5), (3, 2, 1.0)):
+    x = torch.randn(T, D)
+    idx = torch.randint(0, 2, (T, K)) if cf < 1 else torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    idx[:, 1] = (idx[:, 0] + 1) % E
+    w = torch.rand(T, K)
+    tiles = MoeTiles(block_m=16, up_n=32, up_k=64, down_n=64, down_k=256)
+    got = tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf, tiles=tiles)
+    same = tri.capacity_experts(x, idx, w, gate_up.dense(), down.dense(), capacity_factor=cf,
+                                tiles=MoeTiles(16, 32, 64, 64, 128))
+    assert torch.equal(got, same), (T, K, cf)
+    close(got, ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf), 1e-4)
+print("ALL OK")
