@@ -49,6 +49,7 @@ from moecg.kernels import get_ops, ref
 # what the fused step runs is declared beside the family facts (models/adapter.py), which never import this module
 from moecg.models.adapter import FUSED_FEATURES, FUSED_ROUTER_KINDS, UnsupportedConfigError, adapter_for
 from moecg.models.skew import router_logit_bias
+from moecg.models.weights import BLOCK, BlockFp8, fuse_rows, stored
 
 __all__ = ["FUSED_FEATURES", "FUSED_ROUTER_KINDS", "FastDecode", "FastPathError", "check_supported"]
 
@@ -95,21 +96,33 @@ class _Layer:
     shared_inter: int = 0
     shared_gate_col: int | None = None
     w_sdown: torch.Tensor | None = None  # [D, Is] shared expert's (or the dense MLP's) down projection
+    wsh: object | None = None  # [2Is, D] block-FP8 shared gate | up (a BlockFp8): apart from wcat, which then holds
+    #                            the shared gate logit and the router only
     norm_route: bool = False  # the router is wcat alone (softmax_topk, no bias, no shared expert): ops.norm_route
     mla: latent.LatentAttention | None = None  # multi-head latent attention's weights (wqkv, q/k norms unused)
 
 
-def _fuse(params: list[torch.Tensor], align: int = 1) -> tuple[torch.Tensor, int]:
+def _fuse(params: list, align: int = 1) -> tuple:
     """(params concatenated along dim 0 as a new tensor, its bytes); the parameters are only read.
 
     A lone parameter that needs no padding is returned itself (0 bytes: nothing copied).
     align: pad the rows to a multiple (zero rows at the end), so a GEMM's output rows stay 16-byte aligned;
     an odd row count (e.g. 2*5632 + 1 + 60) sends cuBLAS to a slow unaligned kernel.
+    Block-FP8 weights (moecg.models.weights.BlockFp8, all of them or none) fuse into one, values and scales.
     """
     rows = sum(p.shape[0] for p in params)
     pad = -rows % align
     if len(params) == 1 and not pad:
-        return params[0].detach(), 0
+        return (params[0] if isinstance(params[0], BlockFp8) else params[0].detach()), 0
+    if any(isinstance(p, BlockFp8) for p in params):
+        if not all(isinstance(p, BlockFp8) for p in params):
+            raise FastPathError("a fused GEMM mixes block-FP8 and unquantized weights; use capture.kernels=hf")
+        parts = [(p.q.detach(), p.scale.detach(), p.rows) for p in params]
+        if pad:
+            K = parts[0][0].shape[1]
+            parts.append((parts[0][0].new_zeros(pad, K), parts[0][1].new_ones(1, parts[0][1].shape[1]), BLOCK))
+        q, scale, g = fuse_rows(parts)
+        return BlockFp8(q, scale, g, params[0].dtype), q.numel() * q.element_size() + scale.numel() * 4
     parts = [p.detach() for p in params]
     if pad:
         parts.append(parts[0].new_zeros(pad, *parts[0].shape[1:]))
@@ -231,11 +244,13 @@ class FastDecode:
         A = latent.build(at, self.mla_layout, self._fuse)
         if A.ba is not None:
             self.owned_bytes += A.ba.numel() * A.ba.element_size()
+        if isinstance(stored(at.kv_b_proj), BlockFp8):  # dequantized once for the per-head GEMVs (latent.build)
+            self.owned_bytes += A.w_uk.numel() * A.w_uk.element_size() * (A.nope + A.v_dim) // A.nope
         o_proj = ad.o_of(at)
         return _Layer(
             in_w=getattr(layer, ad.input_norm).weight, in_eps=_eps(getattr(layer, ad.input_norm)),
             post_w=getattr(layer, ad.post_norm).weight, post_eps=_eps(getattr(layer, ad.post_norm)),
-            wqkv=None, bqkv=A.ba, wo=o_proj.weight, bo=o_proj.bias, n_q=A.n_heads, n_kv=1,
+            wqkv=None, bqkv=A.ba, wo=stored(o_proj), bo=o_proj.bias, n_q=A.n_heads, n_kv=1,
             head_dim=A.nope + A.rope, scaling=A.scaling, window=0, q_norm=None, k_norm=None, qk_eps=1e-6, mla=A)
 
     def _standard_layer(self, i, layer, ad, at, features, windows, clip) -> _Layer:
@@ -254,7 +269,7 @@ class FastDecode:
             post_w=getattr(layer, ad.post_norm).weight, post_eps=_eps(getattr(layer, ad.post_norm)),
             wqkv=self._fuse(qkv),
             bqkv=self._fuse(bias) if all(b is not None for b in bias) else None,
-            wo=o_proj.weight, bo=o_proj.bias, n_q=n_q, n_kv=n_kv, head_dim=at.head_dim,
+            wo=stored(o_proj), bo=o_proj.bias, n_q=n_q, n_kv=n_kv, head_dim=at.head_dim,
             scaling=float(at.scaling), window=windows[i], q_norm=q_norm, k_norm=k_norm,
             qk_eps=_eps(at.q_norm) if q_norm is not None else 1e-6,
             sinks=at.sinks if "attention_sinks" in features else None,
@@ -270,7 +285,7 @@ class FastDecode:
         if mods is None or any(getattr(m, "bias", None) is not None or not hasattr(m, "weight") for m in mods):
             L.mlp = mlp
             return
-        gate, up, L.w_sdown = (m.weight for m in mods)
+        gate, up, L.w_sdown = (stored(m) for m in mods)
         L.shared_inter = gate.shape[0]
         L.wcat = self._fuse([gate, up], align=8)
 
@@ -293,10 +308,13 @@ class FastDecode:
         if shared is not None:
             s_gate, s_up, L.w_sdown = ad.mlp_weights(shared)
             L.shared_inter = s_gate.shape[0]
-            rows += [s_gate, s_up]
+            if isinstance(s_gate, BlockFp8):  # block-FP8: its own GEMM (the router's rows stay in the model dtype)
+                L.wsh = self._fuse([s_gate, s_up])
+            else:
+                rows += [s_gate, s_up]
             sg = ad.shared_gate_of(layer)
             if sg is not None:
-                L.shared_gate_col = 2 * L.shared_inter
+                L.shared_gate_col = sum(r.shape[0] for r in rows)
                 rows.append(sg.weight)
         L.r0 = sum(r.shape[0] for r in rows)
         L.n_experts = router.weight.shape[0]
@@ -322,6 +340,10 @@ class FastDecode:
         cat, nbytes = _fuse(params, align)
         self.owned_bytes += nbytes
         return cat
+
+    def _linear(self, x, w, b=None):
+        """A dense MLP's or shared expert's GEMM: cuBLAS on a model-dtype weight, the ops' GEMV on a block-FP8 one."""
+        return self.ops.linear(x, w, b) if isinstance(w, BlockFp8) else F.linear(x, w, b)
 
     def pdl_mode(self) -> int | None:
         """The PDL mode this step's Triton kernels launch with (None: it runs no Triton kernels)."""
@@ -387,7 +409,8 @@ class FastDecode:
         disp = state.dispatcher if state is not None else None
         if disp is None:
             ex, sp = L.experts, L.expert_spec
-            return ref.moe_experts(h, idx, w, ex.gate_up_proj, ex.down_proj, valid, counters, spec=sp,
+            return ref.moe_experts(h, idx, w, stored(ex, "gate_up_proj"), stored(ex, "down_proj"), valid, counters,
+                                   spec=sp,
                                    gate_up_bias=ex.gate_up_proj_bias if sp.has_bias else None,
                                    down_bias=ex.down_proj_bias if sp.has_bias else None)
         if disp.fused_unreduced:
@@ -442,7 +465,7 @@ class FastDecode:
                 if L.mlp is not None:
                     y = self.adapter.moe_output(L.mlp(h))  # [T, D]
                 else:
-                    y = F.linear(ops.silu_mul(F.linear(h, L.wcat), L.shared_inter), L.w_sdown)  # [T, D]
+                    y = self._linear(ops.silu_mul(self._linear(h, L.wcat), L.shared_inter), L.w_sdown)  # [T, D]
                 res, h = ops.add_rmsnorm(y[:, None], res, nw, neps, cast_last=cl)
                 continue
             side = None  # the shared expert's stream, once forked
@@ -463,7 +486,8 @@ class FastDecode:
             shared = gate = None
             if L.shared_inter:
                 with torch.cuda.stream(side) if side is not None else _nullctx():
-                    shared = F.linear(ops.silu_mul(z, L.shared_inter), L.w_sdown)  # [T, D]
+                    zs = ops.linear(h, L.wsh) if L.wsh is not None else z  # [T, 2Is ...]
+                    shared = self._linear(ops.silu_mul(zs, L.shared_inter), L.w_sdown)  # [T, D]
                 gate = z[:, L.shared_gate_col] if L.shared_gate_col is not None else None  # [T]
             y = self._experts(L, h, idx, w, valid, state, slot)  # [T, K or 1, D]
             if side is not None:  # join before the combine reads `shared`

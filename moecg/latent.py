@@ -23,12 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
+from moecg.models.weights import dense, stored
+
 __all__ = ["LatentAttention", "build", "rope_tables", "project_q_kv", "attend"]
 
 
 @dataclass
 class LatentAttention:
-    wa: torch.Tensor  # [Qa + C + R (+ pad), D]: q_a_proj (or q_proj) | kv_a_proj_with_mqa, concatenated (a copy)
+    # [Qa + C + R (+ pad), D]: q_a_proj (or q_proj) | kv_a_proj_with_mqa, concatenated (a copy); block-FP8
+    # projections: a moecg.models.weights.BlockFp8 (wqb too)
+    wa: torch.Tensor
     ba: torch.Tensor | None  # its bias (zeros where a part has none), when any part has one
     q_rows: int  # Qa: q_lora_rank, or H * (Dn + R) without a q LoRA
     qa_norm: torch.Tensor | None  # [Q] q_a_layernorm's weight (None: no q LoRA)
@@ -57,20 +61,21 @@ def build(at, layout: str, fuse) -> LatentAttention:
     H, Dn, R, Dv, C = at.num_heads, at.qk_nope_head_dim, at.qk_rope_head_dim, at.v_head_dim, at.kv_lora_rank
     first = at.q_a_proj if at.q_a_proj is not None else at.q_proj
     parts = [first, at.kv_a_proj_with_mqa]
-    wa = fuse([p.weight for p in parts], 8)
+    wa = fuse([stored(p) for p in parts], 8)  # block-FP8 projections stay block-FP8 (the GEMV reads them)
     ba = None
     if any(p.bias is not None for p in parts):
-        ba = wa.new_zeros(wa.shape[0])  # [rows]: each part's bias where it has one
+        ba = torch.zeros(wa.shape[0], dtype=wa.dtype, device=first.weight.device)  # [rows]: each part's bias
         o = 0
         for p in parts:
             if p.bias is not None:
                 ba[o: o + p.weight.shape[0]] = p.bias.detach()
             o += p.weight.shape[0]
-    kvb = at.kv_b_proj.weight.detach().view(H, Dn + Dv, C)  # [H, Dn + Dv, C]
+    # [H, Dn + Dv, C]; a block-FP8 kv_b_proj is dequantized once (the per-head GEMVs read the model dtype)
+    kvb = dense(stored(at.kv_b_proj)).detach().view(H, Dn + Dv, C)
     lora = at.q_a_proj is not None
     return LatentAttention(
         wa=wa, ba=ba, q_rows=first.weight.shape[0], qa_norm=at.q_a_layernorm.weight if lora else None,
-        qa_eps=_eps(at.q_a_layernorm) if lora else 1e-6, wqb=at.q_b_proj.weight if lora else None,
+        qa_eps=_eps(at.q_a_layernorm) if lora else 1e-6, wqb=stored(at.q_b_proj) if lora else None,
         w_uk=kvb[:, :Dn], w_uv=kvb[:, Dn:], kv_norm=at.kv_a_layernorm.weight, kv_eps=_eps(at.kv_a_layernorm),
         n_heads=H, nope=Dn, rope=R, v_dim=Dv, latent=C, scaling=float(at.scaling), layout=layout)
 

@@ -19,7 +19,9 @@ from moecg.kernels import triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import GemvTiles, MoeTiles  # noqa: E402
 from moecg.models.weights import BLOCK, BlockFp8, fuse_rows, quantize  # noqa: E402
 
-from interp_common import close  # noqa: E402 (tests/, this script's directory)
+from moecg.models import build_model  # noqa: E402
+
+from interp_common import close, fused_backends_agree  # noqa: E402 (tests/, this script's directory)
 
 torch.manual_seed(0)
 f32 = torch.float32
@@ -88,4 +90,10 @@ for T, K, cf in ((6, 2, 0.5), (3, 2, 1.0)):
                                 tiles=MoeTiles(16, 32, 64, 64, 128))
     assert torch.equal(got, same), (T, K, cf)
     close(got, ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf), 1e-4)
+
+# whole models on block-FP8 weights: the fused step on the Triton ops against the same step on the torch ops
+# (shared experts as their own FP8 GEMV, MLA's fused projections, dense first layers)
+for preset in ("qwen2_moe_tiny", "deepseek_v3_tiny"):
+    model = build_model(preset, dtype="fp32", device="cpu", seed=4, weights="fp8_block").model
+    fused_backends_agree(model, torch.randint(0, 100, (2, 5)), 16, 3, preset)
 print("ALL OK")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from moecg.models.weights import stored
 from moecg.models.zoo import family_of_config
 
 KERNELS = ("hf", "fused")
@@ -392,16 +393,17 @@ class FamilyAdapter:
         return out[0] if self.moe_returns_tuple and isinstance(out, tuple) else out
 
     def qkv_of(self, attn: nn.Module) -> tuple[list, list]:
-        """([q, k, v] weights, [q, k, v] biases or None each) of a standard attention module."""
+        """([q, k, v] weights as stored (moecg.models.weights.stored), [q, k, v] biases or None each) of a standard
+        attention module."""
         mods = [getattr(attn, n) for n in (self.q_proj, self.k_proj, self.v_proj)]
-        return [m.weight for m in mods], [m.bias for m in mods]
+        return [stored(m) for m in mods], [m.bias for m in mods]
 
     def o_of(self, attn: nn.Module) -> nn.Module:
         return getattr(attn, self.o_proj)
 
     def mlp_weights(self, mlp: nn.Module) -> tuple:
-        """(gate [I, D], up [I, D], down [D, I]) weights of a gated MLP (shared expert or dense layer)."""
-        return tuple(getattr(mlp, n).weight for n in self.mlp_projs)
+        """(gate [I, D], up [I, D], down [D, I]) weights of a gated MLP (shared expert or dense layer), as stored."""
+        return tuple(stored(getattr(mlp, n)) for n in self.mlp_projs)
 
     def shared_gate_of(self, layer: nn.Module) -> nn.Module | None:
         block = self.moe_block(layer)

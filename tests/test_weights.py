@@ -1,0 +1,224 @@
+"""Weight formats (moecg.models.weights): the block-FP8 reference, the quantized model on every path against the same
+model with the reference-dequantized weights, checkpoints in the published layout, the floor's bytes, refusals (CPU;
+the Triton kernels under the interpreter: tests/triton_interp_weights.py)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import moecg
+from moecg.dispatch import attach, detach, make_dispatcher, state_of
+from moecg.engine import DecodeEngine
+from moecg.fast import FastDecode
+from moecg.floor import expert_bytes, floor_bytes
+from moecg.harness import run_experiment
+from moecg.models import adapter_for, build_model
+from moecg.models.weights import (BLOCK, FP8, FP8_MAX, BlockFp8, Fp8Linear, WeightFormatError, dequantize,
+                                  dequantize_model, fuse_rows, quantize, save_checkpoint, stored, stored_bytes)
+from moecg.plan import PlanError, resolve_plan
+
+CONF_DIR = Path(moecg.__file__).parent / "conf"
+FAMILIES = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny_dense", "deepseek_v3_tiny", "deepseek_v2_tiny",
+            "glm4_moe_tiny", "olmoe_tiny"]
+# experts and projections over several 128-blocks with ragged tails (gate/up of 192 rows: scale groups of 64)
+WIDE = dict(hidden_size=320, moe_intermediate_size=192, intermediate_size=384)
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _pair(preset, seed=0, **overrides):
+    """(the fp8_block model, the same model with its weights replaced by their reference dequantization)."""
+    a = build_model(preset, dtype="fp32", device="cpu", seed=seed, weights="fp8_block", config_overrides=overrides)
+    b = build_model(preset, dtype="fp32", device="cpu", seed=seed, weights="fp8_block", config_overrides=overrides)
+    dequantize_model(b.model, b.adapter)
+    return a.model, b.model
+
+
+# -- the reference --------------------------------------------------------------------------------
+
+def test_block_quantization_is_the_published_format():
+    torch.manual_seed(0)
+    w = torch.randn(300, 200) * torch.logspace(-3, 1, 200)  # columns of very different scales
+    w[:128, 128:] = 0  # an all-zero block
+    q, s = quantize(w)
+    assert q.dtype == FP8 and s.dtype == torch.float32 and s.shape == (3, 2)
+    assert torch.equal(s[0, 1], torch.tensor(1.0))  # a zero block's scale is 1 (and its values 0)
+    blocks = torch.nn.functional.pad(w, (0, 56, 0, 84)).view(3, 128, 2, 128).abs().amax(dim=(1, 3))
+    nz = blocks > 0
+    torch.testing.assert_close(s[nz], blocks[nz] / FP8_MAX)  # amax / 448 per block
+    assert q.float().abs().max() <= FP8_MAX
+    d = dequantize(q, s, BLOCK, torch.float32)
+    # e4m3 keeps 3 mantissa bits: each value within half a step (1/16 relative) or the subnormal step of its block
+    step = torch.maximum(w.abs() / 16, s.repeat_interleave(BLOCK, 0)[:300].repeat_interleave(BLOCK, 1)[:, :200] * 2**-9)
+    assert ((d - w).abs() <= step * 1.0001).all()
+    # values already on the grid come back exactly
+    q2, s2 = quantize(d)
+    assert torch.equal(dequantize(q2, s2, BLOCK, torch.float32), d)
+
+
+def test_fused_rows_dequantize_to_the_parts_stacked():
+    torch.manual_seed(1)
+    parts = [quantize(torch.randn(4, n, 256)) for n in (96, 192, 40)]
+    q, s, rows = fuse_rows([(*p, BLOCK) for p in parts])
+    assert rows == 32 and q.shape == (4, 328, 256) and s.shape == (4, 11, 2)
+    want = torch.cat([dequantize(*p, BLOCK, torch.float32) for p in parts], dim=1)
+    assert torch.equal(dequantize(q, s, rows, torch.float32), want)
+    assert fuse_rows([(*parts[1], BLOCK)])[2] == BLOCK  # one part of any length keeps 128-row groups
+
+
+def test_what_the_format_quantizes():
+    m = build_model("qwen2_moe_tiny", dtype="fp32", device="cpu", weights="fp8_block").model
+    ad = adapter_for(m)
+    layer = ad.layers(m)[0]
+    assert isinstance(layer.self_attn.q_proj, Fp8Linear) and isinstance(layer.self_attn.o_proj, Fp8Linear)
+    assert isinstance(layer.mlp.shared_expert.down_proj, Fp8Linear)
+    assert type(layer.mlp.shared_expert_gate) is torch.nn.Linear  # [1, D]: stays in the model dtype
+    assert layer.mlp.gate.weight.dtype == torch.float32 and m.lm_head.weight.dtype == torch.float32
+    assert m.model.embed_tokens.weight.dtype == torch.float32
+    ex = layer.mlp.experts
+    assert ex.gate_up_proj.dtype == FP8 and isinstance(stored(ex, "gate_up_proj"), BlockFp8)
+    assert m.config._experts_implementation == "moecg_dequantized"
+
+
+# -- every path against the dequantized model -------------------------------------------------------
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_quantized_model_is_its_dequantized_self_on_every_dispatcher(preset):
+    """Each HF-module dispatcher, HF's own experts (no dispatcher) and the fused step (torch ops) give the dequantized
+    model's logits bit for bit, with the same counters."""
+    a, b = _pair(preset, seed=3)
+    ids = torch.randint(0, 100, (3, 6))
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)  # no dispatcher: HF's experts on dequantized weights
+    for disp in ("dynamic", "dropless", "capacity", "fused"):
+        out = []
+        for m in (a, b):
+            attach(m, make_dispatcher(disp, **({"capacity_factor": 0.5} if disp == "capacity" else {})))
+            with torch.no_grad():
+                out.append((m(ids).logits, state_of(m).snapshot()))
+            detach(m)
+        assert torch.equal(out[0][0], out[1][0]), disp
+        assert out[0][1]["routed"] == out[1][1]["routed"] and out[0][1]["dropped"] == out[1][1]["dropped"], disp
+    prompts = torch.randint(0, 100, (2, 5))
+    runs = []
+    for m in (a, b):
+        attach(m, make_dispatcher("fused"), max_rows=4)
+        eng = DecodeEngine(m, 24, 4)
+        eng.decode_forward = FastDecode(m, "torch")
+        runs.append(eng.generate(prompts, 4, keep_logits=True, timing=False))
+        detach(m)
+    assert torch.equal(torch.stack(runs[0].logits), torch.stack(runs[1].logits))
+
+
+def test_quantized_differs_from_full_precision_by_the_rounding_only():
+    """The format changes the model (this is what fidelity measures), by about e4m3's rounding, not more."""
+    full = build_model("qwen3_moe_tiny", dtype="fp32", device="cpu", seed=5).model
+    q = build_model("qwen3_moe_tiny", dtype="fp32", device="cpu", seed=5, weights="fp8_block").model
+    ids = torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        lf, lq = full(ids).logits, q(ids).logits
+    assert not torch.equal(lf, lq)
+    assert (lf - lq).abs().max() < 0.1 * lf.abs().max()
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["mixtral_tiny", "qwen2_moe_tiny", "deepseek_v3_tiny"])
+def test_checkpoint_round_trip_in_the_published_layout(preset, tmp_path):
+    a = build_model(preset, dtype="fp32", device="cpu", seed=1, weights="fp8_block", config_overrides=WIDE)
+    save_checkpoint(a.model, str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": [128, 128]}
+    f = safe_open(str(tmp_path / "model.safetensors"), "pt")
+    keys = set(f.keys())
+    experts = "block_sparse_moe.experts.3.w1" if preset == "mixtral_tiny" else "mlp.experts.3.gate_proj"
+    inter = a.model.config.intermediate_size if preset == "mixtral_tiny" else 192
+    gate = f"model.layers.1.{experts}.weight"
+    assert f.get_slice(gate).get_dtype() == "F8_E4M3" and f.get_slice(gate).get_shape() == [inter, 320]
+    assert f.get_slice(gate + "_scale_inv").get_shape() == [-(-inter // 128), 3]
+    assert "model.layers.1.self_attn.o_proj.weight_scale_inv" in keys
+    assert not any(k.endswith("gate.weight_scale_inv") and ".experts." not in k and "gate_proj" not in k
+                   for k in keys)  # the router stays in the model dtype
+    b = build_model(pretrained_path=str(tmp_path), dtype="fp32", device="cpu", seed=9)
+    assert b.weights == "fp8_block"
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k].float(), sb[k].float()) for k in sa)
+    full = build_model(pretrained_path=str(tmp_path), dtype="fp32", device="cpu", weights="full")
+    ids = torch.randint(0, 100, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(a.model(ids).logits, full.model(ids).logits)  # read back dequantized: the same model
+
+
+def test_checkpoints_moecg_cannot_read_are_refused_naming_the_field(tmp_path):
+    a = build_model("qwen3_moe_tiny", dtype="fp32", device="cpu", weights="fp8_block")
+    save_checkpoint(a.model, str(tmp_path))
+    cfg_path = tmp_path / "config.json"
+    good = json.loads(cfg_path.read_text())
+    for qc, match in (({"quant_method": "mxfp4"}, r"quantization_config.quant_method='mxfp4'"),
+                      ({**good["quantization_config"], "weight_block_size": [64, 64]},
+                       r"quantization_config.weight_block_size=\[64, 64\]"),
+                      ({**good["quantization_config"], "activation_scheme": "static"},
+                       r"quantization_config.activation_scheme='static'"),
+                      ({"quant_method": "fp8"}, r"quantization_config.weight_block_size is missing")):
+        cfg_path.write_text(json.dumps({**good, "quantization_config": qc}))
+        with pytest.raises(PlanError, match=match):
+            resolve_plan(_cfg("model=local", f"model.pretrained_path={tmp_path}"))
+    cfg_path.write_text(json.dumps(good))
+    f = safe_open(str(tmp_path / "model.safetensors"), "pt")
+    tensors = {k: f.get_tensor(k) for k in f.keys() if k != "model.layers.0.self_attn.q_proj.weight_scale_inv"}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightFormatError, match=r"q_proj.weight has no model.layers.0.self_attn.q_proj.weight_scale"):
+        build_model(pretrained_path=str(tmp_path), dtype="fp32", device="cpu")
+
+
+def test_formats_are_validated_before_the_build():
+    with pytest.raises(PlanError, match=r"model.weights='int4': choose one of full, fp8_block"):
+        resolve_plan(_cfg("model=qwen3_moe_tiny", "model.weights=int4"))
+    with pytest.raises(PlanError, match=r"model.weights=fp8_block: gpt_oss stores its experts transposed"):
+        resolve_plan(_cfg("model=gpt_oss_tiny", "model.weights=fp8_block"))
+    assert resolve_plan(_cfg("model=qwen3_moe_tiny", "model.weights=fp8_block")).model.weights == "fp8_block"
+    assert resolve_plan(_cfg("model=qwen3_moe_tiny")).model.weights == "full"
+
+
+# -- bytes, floor, record -------------------------------------------------------------------------
+
+def test_floor_counts_the_bytes_as_stored():
+    full = build_model("qwen3_moe_tiny", dtype="bf16", device="cpu", config_overrides=WIDE).model
+    q = build_model("qwen3_moe_tiny", dtype="bf16", device="cpu", weights="fp8_block", config_overrides=WIDE).model
+    ex_f, ex_q = adapter_for(full).experts_of(full.model.layers[0]), adapter_for(q).experts_of(q.model.layers[0])
+    # one expert: gate|up [384, 320] and down [320, 192] at 1 byte, scales [6, 3] and [3, 2] fp32 (gate|up: 64-row
+    # groups, 192 = 1.5 blocks)
+    assert expert_bytes(ex_f) == (384 * 320 + 320 * 192) * 2
+    assert expert_bytes(ex_q) == 384 * 320 + 320 * 192 + (6 * 3 + 3 * 2) * 4
+    hits = [4] * len(adapter_for(q).moe_layers(q))
+    bf, bq = floor_bytes(full, adapter_for(full), hits, 1, 16), floor_bytes(q, adapter_for(q), hits, 1, 16)
+    assert 0.5 < bq / bf < 0.75  # projections halve; embeddings, lm_head, norms, routers and KV stay bf16
+    assert stored_bytes(q.parameters()) < stored_bytes(full.parameters())
+
+
+def test_results_record_the_format_and_its_bytes():
+    r = run_experiment(_cfg("model=qwen3_moe_tiny", "model.weights=fp8_block", "strategy=partial",
+                            "new_tokens=5", "measure.repeats=1"))
+    assert r["weights"] == "fp8_block" and r["token_agreement_forced_vs_eager"] == 1.0
+    full = run_experiment(_cfg("model=qwen3_moe_tiny", "strategy=partial", "new_tokens=5",
+                               "measure.repeats=1"))
+    assert full["weights"] == "full" and r["weight_bytes"] < full["weight_bytes"]
+
+
+def test_triton_kernels_on_quantized_weights_under_interpreter():
+    script = Path(__file__).with_name("triton_interp_weights.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900,
+                       cwd=str(script.parent))
+    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
