@@ -44,6 +44,7 @@ from moecg.fidelity import agreement, top2_margins
 from moecg.floor import step_floor_ms
 from moecg.report import env_fields, write_report
 from moecg.models import build_model
+from moecg.models.weights import FORMATS
 
 
 def sync(dev):
@@ -175,6 +176,8 @@ def main(argv=None):
     ap.add_argument("--skip-hf-generate", action="store_true")
     ap.add_argument("--skip-compile", action="store_true", help="leave the torch.compile baseline out (ratios: nan)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--weights", default="full", choices=FORMATS,
+                    help="the weight format (model.weights); a quantized model runs moecg's rows only")
     ap.add_argument("--bandwidth-gbps", type=float, default=4300)
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
@@ -190,14 +193,18 @@ def main(argv=None):
         ap.error("--prefill-chunk with a capacity strategy: its prefill drops by the tokens per forward, so chunks "
                  "would change what it drops; leave capacity out of --strategies or drop --prefill-chunk")
 
-    built = build_model(args.preset, num_layers=args.num_layers, device=args.device)
+    if args.weights != "full" and not (args.skip_compile and args.skip_hf_generate):
+        ap.error(f"--weights {args.weights}: HF's generate and the torch.compile recipe run HF's bf16 experts; give "
+                 "--skip-compile --skip-hf-generate (moecg's rows, against HF's modules on the same quantized weights)")
+    built = build_model(args.preset, num_layers=args.num_layers, device=args.device, weights=args.weights)
     model, dev = built.model, built.device
     results = []
     for bs in args.batch:
         prompts = torch.randint(0, model.config.vocab_size, (bs, args.prompt_len),
                                 generator=torch.Generator().manual_seed(bs)).to(dev)
-        row = {"batch_size": bs}
-        model.set_experts_implementation("grouped_mm")
+        row = {"batch_size": bs, "weights": built.weights}
+        if built.weights == "full":
+            model.set_experts_implementation("grouped_mm")
         if not args.skip_hf_generate:
             row["hf_generate"] = hf_generate_ms(model, prompts, args.new_tokens, args.repeats)
         ref_tokens = reference_tokens(model, prompts.cpu(), args.new_tokens, args.cache_len, args.prefill_chunk)
@@ -233,7 +240,8 @@ def main(argv=None):
         results.append(row)
         print(json.dumps(row), flush=True)
 
-    head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, {env_fields()['device_name']}, "
+    head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, weights {built.weights}, "
+            f"{env_fields()['device_name']}, "
             f"prompt {args.prompt_len}, {args.new_tokens} new tokens, StaticCache {args.cache_len}, "
             f"compile mode {args.compile_mode}, buckets {list(buckets)}, prefill "
             + (f"chunk {args.prefill_chunk} (moecg engines)" if args.prefill_chunk else "in one forward")

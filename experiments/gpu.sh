@@ -14,7 +14,7 @@
 #                        the H200 image lacks, built by make_wheelhouse.sh); WHEELS= skips the install
 # Suite knobs (defaults are the settings of the committed results): TESTS / TEST_K (pytest paths, -k; `tests`), VARIANTS
 # (`step_variants`), EPS / MODELS / BATCH / RUN_BATCH / STRATEGIES (`ep`), PROJ_MODELS / PROJ_TIMEOUT (`ep_projection`),
-# TRAIN_MODELS / MINUTES (`train_stdlib`), STDLIB_MODELS (`fidelity`, `serving_stdlib`), MLA_ATTN_ARGS (`mla_attn`), SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`).
+# TRAIN_MODELS / MINUTES (`train_stdlib`), FORMATS (`weights`), STDLIB_MODELS (`fidelity`, `serving_stdlib`), MLA_ATTN_ARGS (`mla_attn`), SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`).
 set -u -o pipefail
 OUT=${OUT:-experiments/results}
 PASS=new  # or old: the OLD package's pass
@@ -64,6 +64,16 @@ suite_floor() {  # the floor table: the fused step at bs 1 and 8 on the real-sha
   step mixtral_8x7b 8 full+fused capacity+fused
   step qwen3_30b_a3b 48 full+fused
   step mixtral_8x7b 32 full+fused
+}
+suite_weights() {  # weight formats: the quantized kernels' GPU tests, then Qwen3-30B-A3B (48 layers) at bs 1 and 8 per format
+  bench weights
+  t gpu_tests.log python3 -m pytest -q -s -m gpu tests/test_weights_gpu.py | grep -E "agreement|passed|failed|FAILED" | tail -12
+  local w
+  for w in ${FORMATS:-full fp8_block}; do
+    t "step_qwen3_30b_a3b_48_$w.log" vs_compile --preset qwen3_30b_a3b --num-layers 48 --weights "$w" --batch 1 8 \
+      --buckets 1 8 --strategies full+fused capacity+fused --skip-hf-generate --skip-compile --repeats 2 \
+      --out "$D/step_qwen3_30b_a3b_48_$w.md" --json "$D/step_qwen3_30b_a3b_48_$w.json" | grep -E "own floor|failed|Error" | head -4
+  done
 }
 suite_long_context() {  # 30k-token prompt, 32k-slot cache, 4096-token prefill chunks; Qwen1.5 bs 1 only (103 GB of KV at bs 8)
   bench long_context
