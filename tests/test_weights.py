@@ -222,3 +222,26 @@ def test_triton_kernels_on_quantized_weights_under_interpreter():
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900,
                        cwd=str(script.parent))
     assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_quantized_runs_on_every_strategy_and_kernel_path(preset="deepseek_v3_tiny"):
+    """Through the plan and the harness (emulated capture, 3 rows in bucket 4; MLA, shared experts and a dense first
+    layer, all quantized): dropless HF-module paths give eager's
+    tokens, the fused step its teacher-forced tokens; capacity drops the same assignments on every path (its tokens
+    differ from dropless eager's by what it drops)."""
+    base = [f"model={preset}", "model.weights=fp8_block", "capture.backend=emulate", "batch_size=3", "prompt_len=5",
+            "new_tokens=6", "measure.repeats=1", "measure.skip_steps=0", "measure.eager_baseline=false",
+            "capture.warmup=1"]
+    drops = set()
+    for strategy, dispatch in (("full", "fused"), ("capacity", "capacity")):
+        for kernels in ("hf", "fused"):
+            ov = [*base, f"strategy={strategy}", f"dispatch={dispatch}", f"capture.kernels={kernels}"]
+            if dispatch == "capacity":
+                ov.append("dispatch.capacity_factor=1.0")
+            r = run_experiment(_cfg(*ov))
+            assert r["status"] == "ok" and r["weights"] == "fp8_block", (strategy, kernels, r.get("error"))
+            if dispatch == "capacity":
+                drops.add(r["dropped_assignments"])
+            else:
+                assert r["token_agreement_forced_vs_eager"] >= (1.0 if kernels == "hf" else 0.99), kernels
+    assert len(drops) == 1
