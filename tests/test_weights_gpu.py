@@ -1,6 +1,7 @@
-"""Block-FP8 weights on a real GPU (bf16 activations): each quantized Triton kernel gives exactly what the same kernel
-gives on the reference-dequantized weights, and matches the PyTorch dequantize-then-matmul reference; whole models
-captured on the fused step against HF's modules on the same quantized model.
+"""Block-FP8 weights on a real GPU (bf16 activations): each quantized Triton kernel against the same kernel on the
+reference-dequantized weights (the same operands; on the GPU the MMAs may sum them in another order, so within bf16
+rounding, where the interpreter test asserts the bits) and against the PyTorch dequantize-then-matmul reference;
+whole models captured on the fused step against HF's modules on the same quantized model.
 
 Dims: T tokens, D hidden, E experts, K top-k, I expert intermediate, N/K a projection's.
 Skipped without CUDA. Run on the H200: `pytest -m gpu -s tests/test_weights_gpu.py`.
@@ -42,10 +43,10 @@ def test_fp8_gemv_is_the_dequantized_gemv(T, N, K, parts):
     w = _q8(torch.randn(N, K, device="cuda", generator=g) * 0.02, parts)
     x = torch.randn(T, K, device="cuda", generator=g).to(BF)
     got = tri.linear(x, w)
-    if T <= 16:  # the same tiles on the dequantized weight: the same bits
-        tiles = GemvTiles(64, 128, 4, 3)
-        assert torch.equal(tri.linear(x, w, tiles=tiles), tri.linear(x, w.dense(), tiles=tiles))
     _close(got, ref.linear(x, w))
+    if T <= 16:  # the same tiles on the dequantized weight: the same operands, the MMAs may sum in another order
+        for tiles in (GemvTiles(64, 128, 4, 3), GemvTiles(16, 512, 4, 3)):
+            _close(tri.linear(x, w, tiles=tiles), tri.linear(x, w.dense(), tiles=tiles), 1e-2)
 
 
 @pytest.mark.parametrize("T", [1, 8, 32])
@@ -59,14 +60,18 @@ def test_fp8_moe_kernels_are_the_dequantized_kernels(shape, T):
     idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
     w = torch.rand(T, K, device="cuda", generator=g).to(BF)
     t = moe_tiles(T, D, I, E)
-    tiles = replace(t, up_k=min(t.up_k, BLOCK), down_k=min(t.down_k, BLOCK))
+    for tiles in (t, replace(t, up_k=256, down_k=256, stages=3)):
+        _moe_checks(x, idx, w, gate_up, down, tiles)
+
+
+def _moe_checks(x, idx, w, gate_up, down, tiles):
     got = tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles)
-    assert torch.equal(got, tri.moe_experts(x, idx, w, gate_up.dense(), down.dense(), tiles=tiles))
+    _close(got, tri.moe_experts(x, idx, w, gate_up.dense(), down.dense(), tiles=tiles), 1e-2)
     _close(got, ref.moe_experts(x, idx, w, gate_up, down))
     for cf in (0.5, 1.25):
         got = tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf, tiles=tiles)
-        assert torch.equal(got, tri.capacity_experts(x, idx, w, gate_up.dense(), down.dense(), capacity_factor=cf,
-                                                     tiles=tiles))
+        _close(got, tri.capacity_experts(x, idx, w, gate_up.dense(), down.dense(), capacity_factor=cf, tiles=tiles),
+               1e-2)
         _close(got, ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf))
 
 

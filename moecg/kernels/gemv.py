@@ -17,7 +17,8 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
-from moecg.models.weights import BLOCK, BlockFp8
+from moecg.kernels.quant import check_block_k, dequant_tile
+from moecg.models.weights import BlockFp8
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -53,8 +54,8 @@ def silu_mul(gu, inter: int):
 # The same kernel serves per-head projections (head_linear: program_id(1) is the head, with its strides; W may be a
 # strided view, s_wk its K stride); the plain linear has one head and s_wk 1.
 # A block-FP8 weight (QROWS > 0: e4m3 values, fp32 scales ws [N / QROWS, K / 128], moecg.models.weights) is
-# dequantized in registers as the reference does (fp32 product, rounded to x's dtype) before the same tl.dot, a K step
-# inside one 128-column scale block; program_id(2) then takes BLOCK_T rows each, so any T runs it.
+# dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot;
+# program_id(2) then takes BLOCK_T rows each, so any T runs it.
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
@@ -75,8 +76,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
         x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
         if QROWS:
-            sw = tl.load(ws_ptr + (n // QROWS) * s_sn + (k0 // 128) * s_sk, mask=nm, other=0.0)  # [BLOCK_N] fp32
-            w = (w.to(tl.float32) * sw[:, None]).to(x.dtype)
+            w = dequant_tile(w, ws_ptr + (n // QROWS) * s_sn, k0, K, s_sk, nm, x.dtype, BLOCK_N, BLOCK_K)
         acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -118,7 +118,7 @@ def _linear_fp8(x, w, bias, tiles):
     s = w.scale
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, GEMV_MAX_T)), x, w.q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), w.q.stride(0), y.stride(0),
-           HAS_BIAS=bias is not None, BLOCK_T=GEMV_MAX_T, BLOCK_N=t.block_n, BLOCK_K=min(t.block_k, BLOCK),
+           HAS_BIAS=bias is not None, BLOCK_T=GEMV_MAX_T, BLOCK_N=t.block_n, BLOCK_K=check_block_k(t.block_k),
            num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows,
            **pdl_args(x.device, t.pdl_trigger))
     return y

@@ -16,7 +16,8 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
-from moecg.models.weights import BLOCK, BlockFp8
+from moecg.kernels.quant import check_block_k, dequant_tile
+from moecg.models.weights import BlockFp8
 
 
 # dropless MoE for small token counts (decode): grid (expert, row block, column block). Each program finds the
@@ -57,8 +58,7 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
     """act(gate, up) of assignments `rows` [BLOCK_M] (token = row // K) for expert e's columns block nb
     -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask).
     QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.weights), each tile
-    dequantized in registers as the reference does (fp32 product, rounded to dt) before the same tl.dot; a K step
-    stays inside one 128-column scale block (BLOCK_K divides 128)."""
+    dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot."""
     tok = rows // K
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
@@ -75,11 +75,9 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
         u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
         if QROWS:
-            sb = ws_ptr + e.to(tl.int64) * s_se + (k0 // 128) * s_sk
-            sg = tl.load(sb + (jg // QROWS) * s_sj, mask=nm, other=0.0)  # [BLOCK_N] fp32
-            su = tl.load(sb + (ju // QROWS) * s_sj, mask=nm, other=0.0)
-            g = (g.to(tl.float32) * sg[:, None]).to(dt)
-            u = (u.to(tl.float32) * su[:, None]).to(dt)
+            sb = ws_ptr + e.to(tl.int64) * s_se
+            g = dequant_tile(g, sb + (jg // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
+            u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
         acc_g = tl.dot(x, tl.trans(g), acc_g)
         acc_u = tl.dot(x, tl.trans(u), acc_u)
     g = acc_g.to(dt).to(tl.float32)
@@ -116,9 +114,8 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
         h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
         if QROWS:
-            sw = tl.load(ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj + (k0 // 128) * s_sk, mask=nm,
-                         other=0.0)  # [BLOCK_N] fp32
-            w = (w.to(tl.float32) * sw[:, None]).to(h.dtype)
+            w = dequant_tile(w, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, k_hi, s_sk, nm, h.dtype,
+                             BLOCK_N, BLOCK_K)
         acc = tl.dot(h, tl.trans(w), acc)
     return acc, n, nm
 
@@ -271,8 +268,8 @@ def _scale_args(w, transposed: bool):
 
 
 def quant_k(block_k: int, scale: dict) -> int:
-    """A K step of a quantized GEMM stays inside one 128-wide scale block."""
-    return min(block_k, BLOCK) if scale["QROWS"] else block_k
+    """The K step of a GEMM, checked where its weights are block-FP8 (moecg.kernels.quant.check_block_k)."""
+    return check_block_k(block_k) if scale["QROWS"] else block_k
 
 
 class ExpertArgs:

@@ -1,0 +1,144 @@
+"""The quantized GEMM kernels alone, against their bf16 selves: one Qwen3-30B-A3B layer's shapes on a GPU.
+
+  python experiments/bench_weights_kernels.py --out experiments/results/weights/kernels.md --json .../kernels.json
+
+Rows: the dropless MoE kernels (moe_experts, T 1 and 8), the capacity kernels (every expert read, T 8, cf 1.25) and
+the qkv / o GEMVs (T 1 and 8), each in bf16 with its default tiles (the GEMVs: ops.linear's choice, cuBLAS or the
+table) and in block-FP8 over a grid of tiles. us per call: --copies distinct weight sets cycled inside one CUDA graph
+(so the weights come from HBM, not from L2), median of replays; GB/s: the weight bytes one call must read (the
+experts it hits, values + scales) over that time. Each FP8 output is checked against the dequantize-then-matmul
+reference (max abs error printed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+from bench_dispatch import capture  # same directory: the graph capture helper
+
+from moecg.kernels import ref, triton_ops as tri
+from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles
+from moecg.models.weights import BLOCK, BlockFp8, fuse_rows, quantize
+from moecg.report import env_fields, write_report
+
+BF = torch.bfloat16
+
+
+def q8(w, parts=1):
+    n = w.shape[-2] // parts
+    q, s, rows = fuse_rows([(*quantize(w[..., i * n:(i + 1) * n, :]), BLOCK) for i in range(parts)])
+    return BlockFp8(q, s, rows, BF)
+
+
+def nbytes(w, rows=None):
+    """Bytes of weight w (or of its rows `rows` of dim 0: the experts hit) as stored."""
+    if isinstance(w, BlockFp8):
+        q, s = (w.q, w.scale) if rows is None else (w.q[rows], w.scale[rows])
+        return q.numel() + s.numel() * 4
+    return (w if rows is None else w[rows]).numel() * 2
+
+
+def time_us(fns, replays=20):
+    """us per call: every fn of `fns` once, in order, captured in one graph; median over replays."""
+    def burst():
+        for f in fns:
+            f()
+
+    g = capture(burst, None)
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) * 1e3 / len(fns))
+    return statistics.median(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--qkv", type=int, default=5120, help="rows of the fused qkv projection")
+    ap.add_argument("--o-in", type=int, default=4096, help="inner dim of the o projection")
+    ap.add_argument("--copies", type=int, default=6)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("bench_weights_kernels.py times CUDA kernels: run it on a GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    D, I, E, K, C = args.hidden, args.inter, args.experts, args.top_k, args.copies
+    rows = []
+
+    def row(kind, T, fmt, tiles, us, gb, err=None):
+        r = {"op": kind, "T": T, "weights": fmt, "tiles": str(tiles), "us": us, "gbps": gb / us / 1e3,
+             "max_abs_err": err}
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    # -- MoE ------------------------------------------------------------------------------------------------------
+    full = [(torch.randn(E, 2 * I, D, device="cuda", generator=g).to(BF) * 0.02,
+             torch.randn(E, D, I, device="cuda", generator=g).to(BF) * 0.02) for _ in range(C)]
+    fp8 = [(q8(gu.float(), 2), q8(dn.float())) for gu, dn in full]
+    base = moe_tiles(8, D, I, E)
+    variants = [base, MoeTiles(up_k=256, down_k=256, stages=3), MoeTiles(up_k=256, down_k=256, stages=4),
+                MoeTiles(stages=6), MoeTiles(up_n=32, up_k=256, down_n=32, down_k=256, stages=4),
+                MoeTiles(up_k=512, down_k=256, stages=3)]
+    for T in (1, 8):
+        x = torch.randn(T, D, device="cuda", generator=g).to(BF)
+        idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
+        w = torch.rand(T, K, device="cuda", generator=g).to(BF)
+        hit = idx.unique().long()
+        t0 = moe_tiles(T, D, I, E)
+        for fmt, sets, tile_set in (("bf16", full, [t0]), ("fp8_block", fp8, [t0, *variants[1:]])):
+            gb = nbytes(sets[0][0], hit) + nbytes(sets[0][1], hit)
+            for t in tile_set:
+                t = MoeTiles(**{**t.__dict__, "down_split": t0.down_split})
+                fns = [lambda gu=gu, dn=dn, t=t: tri.moe_experts(x, idx, w, gu, dn, tiles=t) for gu, dn in sets]
+                err = None
+                if fmt != "bf16":
+                    err = float((fns[0]() - ref.moe_experts(x, idx, w, *sets[0])).abs().max())
+                row("moe_experts", T, fmt, t, time_us(fns), gb, err)
+        # capacity: every expert's weights once
+        if T == 8:
+            for fmt, sets, tile_set in (("bf16", full, [t0]), ("fp8_block", fp8, [t0, *variants[1:]])):
+                gb = nbytes(sets[0][0]) + nbytes(sets[0][1])
+                for t in tile_set:
+                    fns = [lambda gu=gu, dn=dn, t=t: tri.capacity_experts(x, idx, w, gu, dn, capacity_factor=1.25,
+                                                                          tiles=t) for gu, dn in sets[:3]]
+                    row("capacity_experts", T, fmt, t, time_us(fns), gb)
+    del full, fp8
+    torch.cuda.empty_cache()
+    # -- GEMVs ----------------------------------------------------------------------------------------------------
+    for name, N, Kd in (("qkv", args.qkv, D), ("o", D, args.o_in)):
+        ws = [torch.randn(N, Kd, device="cuda", generator=g).to(BF) * 0.02 for _ in range(C * 4)]
+        qs = [q8(wi.float()) for wi in ws]
+        grid = [GemvTiles(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)]
+        for T in (1, 8):
+            x = torch.randn(T, Kd, device="cuda", generator=g).to(BF)
+            row(name, T, "bf16", "ops.linear", time_us([lambda wi=wi: tri.linear(x, wi) for wi in ws]), nbytes(ws[0]))
+            for t in grid:
+                fns = [lambda wi=wi, t=t: tri.linear(x, wi, tiles=t) for wi in qs]
+                err = float((fns[0]() - ref.linear(x, qs[0])).abs().max())
+                row(name, T, "fp8_block", t, time_us(fns), nbytes(qs[0]), err)
+    lines = [f"Quantized GEMM kernels, {env_fields()['device_name']}: D {D}, I {I}, E {E}, K {K}; qkv {args.qkv} x {D}, "
+             f"o {D} x {args.o_in}; {C} weight sets cycled per graph", "",
+             "| op | T | weights | tiles | us | GB/s | max abs err vs reference |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.2e}"
+        lines.append(f"| {r['op']} | {r['T']} | {r['weights']} | {r['tiles']} | {r['us']:.1f} | {r['gbps']:.0f} | "
+                     f"{err} |")
+    write_report("\n".join(lines), rows, args, args.out, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
