@@ -19,7 +19,7 @@ import sys
 import torch
 from bench_dispatch import capture  # same directory: the graph capture helper
 
-from moecg.kernels import ref, triton_ops as tri
+from moecg.kernels import quant, ref, triton_ops as tri
 from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles
 from moecg.models.weights import BLOCK, BlockFp8, fuse_rows, quantize
 from moecg.report import env_fields, write_report
@@ -60,6 +60,15 @@ def time_us(fns, replays=20):
     return statistics.median(out)
 
 
+def cases(full, fp8, t0, variants):
+    """(format, quant mode, weight sets, tiles): bf16 at the table's tiles, block-FP8 per mode over the variants (the
+    accumulate mode steps by at most 128 columns)."""
+    yield "bf16", quant.MODE, full, [t0]
+    for mode in quant.QUANT_MODES:
+        yield "fp8_block", mode, fp8, [t for t in [t0, *variants] if mode == "dequant" or
+                                       max(t.up_k, t.down_k) <= BLOCK]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -79,8 +88,8 @@ def main(argv=None):
     rows = []
 
     def row(kind, T, fmt, tiles, us, gb, err=None):
-        r = {"op": kind, "T": T, "weights": fmt, "tiles": str(tiles), "us": us, "gbps": gb / us / 1e3,
-             "max_abs_err": err}
+        r = {"op": kind, "T": T, "weights": fmt, "mode": quant.MODE if fmt != "bf16" else "", "tiles": str(tiles),
+             "us": us, "gbps": gb / us / 1e3, "max_abs_err": err}
         rows.append(r)
         print(json.dumps(r), flush=True)
 
@@ -88,17 +97,17 @@ def main(argv=None):
     full = [(torch.randn(E, 2 * I, D, device="cuda", generator=g).to(BF) * 0.02,
              torch.randn(E, D, I, device="cuda", generator=g).to(BF) * 0.02) for _ in range(C)]
     fp8 = [(q8(gu.float(), 2), q8(dn.float())) for gu, dn in full]
-    base = moe_tiles(8, D, I, E)
-    variants = [base, MoeTiles(up_k=256, down_k=256, stages=3), MoeTiles(up_k=256, down_k=256, stages=4),
-                MoeTiles(stages=6), MoeTiles(up_n=32, up_k=256, down_n=32, down_k=256, stages=4),
-                MoeTiles(up_k=512, down_k=256, stages=3)]
+    variants = [MoeTiles(up_k=256, down_k=256, stages=3), MoeTiles(stages=6), MoeTiles(stages=3),
+                MoeTiles(up_n=128, down_n=128, stages=4), MoeTiles(up_n=32, down_n=32, stages=6),
+                MoeTiles(up_k=64, down_k=64, stages=8)]
     for T in (1, 8):
         x = torch.randn(T, D, device="cuda", generator=g).to(BF)
         idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
         w = torch.rand(T, K, device="cuda", generator=g).to(BF)
         hit = idx.unique().long()
         t0 = moe_tiles(T, D, I, E)
-        for fmt, sets, tile_set in (("bf16", full, [t0]), ("fp8_block", fp8, [t0, *variants[1:]])):
+        for fmt, mode, sets, tile_set in cases(full, fp8, t0, variants):
+            quant.MODE = mode
             gb = nbytes(sets[0][0], hit) + nbytes(sets[0][1], hit)
             for t in tile_set:
                 t = MoeTiles(**{**t.__dict__, "down_split": t0.down_split})
@@ -109,7 +118,8 @@ def main(argv=None):
                 row("moe_experts", T, fmt, t, time_us(fns), gb, err)
         # capacity: every expert's weights once
         if T == 8:
-            for fmt, sets, tile_set in (("bf16", full, [t0]), ("fp8_block", fp8, [t0, *variants[1:]])):
+            for fmt, mode, sets, tile_set in cases(full, fp8, t0, variants):
+                quant.MODE = mode
                 gb = nbytes(sets[0][0]) + nbytes(sets[0][1])
                 for t in tile_set:
                     fns = [lambda gu=gu, dn=dn, t=t: tri.capacity_experts(x, idx, w, gu, dn, capacity_factor=1.25,
@@ -121,20 +131,24 @@ def main(argv=None):
     for name, N, Kd in (("qkv", args.qkv, D), ("o", D, args.o_in)):
         ws = [torch.randn(N, Kd, device="cuda", generator=g).to(BF) * 0.02 for _ in range(C * 4)]
         qs = [q8(wi.float()) for wi in ws]
-        grid = [GemvTiles(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)]
+        grid = [GemvTiles(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (64, 128, 256, 512) for st in (3, 4, 6)]
         for T in (1, 8):
             x = torch.randn(T, Kd, device="cuda", generator=g).to(BF)
             row(name, T, "bf16", "ops.linear", time_us([lambda wi=wi: tri.linear(x, wi) for wi in ws]), nbytes(ws[0]))
-            for t in grid:
-                fns = [lambda wi=wi, t=t: tri.linear(x, wi, tiles=t) for wi in qs]
-                err = float((fns[0]() - ref.linear(x, qs[0])).abs().max())
-                row(name, T, "fp8_block", t, time_us(fns), nbytes(qs[0]), err)
+            for mode in quant.QUANT_MODES:
+                quant.MODE = mode
+                for t in grid:
+                    if mode == "accumulate" and t.block_k > BLOCK:
+                        continue
+                    fns = [lambda wi=wi, t=t: tri.linear(x, wi, tiles=t) for wi in qs]
+                    err = float((fns[0]() - ref.linear(x, qs[0])).abs().max())
+                    row(name, T, "fp8_block", t, time_us(fns), nbytes(qs[0]), err)
     lines = [f"Quantized GEMM kernels, {env_fields()['device_name']}: D {D}, I {I}, E {E}, K {K}; qkv {args.qkv} x {D}, "
              f"o {D} x {args.o_in}; {C} weight sets cycled per graph", "",
              "| op | T | weights | tiles | us | GB/s | max abs err vs reference |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.2e}"
-        lines.append(f"| {r['op']} | {r['T']} | {r['weights']} | {r['tiles']} | {r['us']:.1f} | {r['gbps']:.0f} | "
+        lines.append(f"| {r['op']} | {r['T']} | {r['weights']} {r['mode']} | {r['tiles']} | {r['us']:.1f} | {r['gbps']:.0f} | "
                      f"{err} |")
     write_report("\n".join(lines), rows, args, args.out, args.json)
     return 0
