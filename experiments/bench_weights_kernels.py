@@ -42,7 +42,16 @@ def nbytes(w, rows=None):
 
 
 def time_us(fns, replays=20):
-    """us per call: every fn of `fns` once, in order, captured in one graph; median over replays."""
+    """us per call: every fn of `fns` once, in order, captured in one graph; median over replays (nan: the tiles do
+    not compile here, e.g. too much shared memory; the error is printed)."""
+    try:
+        return _time_us(fns, replays)
+    except Exception as e:  # noqa: BLE001 - one tile set that does not fit must not lose the others' rows
+        print(f"failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return float("nan")
+
+
+def _time_us(fns, replays):
     def burst():
         for f in fns:
             f()
@@ -98,7 +107,7 @@ def main(argv=None):
              torch.randn(E, D, I, device="cuda", generator=g).to(BF) * 0.02) for _ in range(C)]
     fp8 = [(q8(gu.float(), 2), q8(dn.float())) for gu, dn in full]
     variants = [MoeTiles(up_k=256, down_k=256, stages=3), MoeTiles(stages=6), MoeTiles(stages=3),
-                MoeTiles(up_n=128, down_n=128, stages=4), MoeTiles(up_n=32, down_n=32, stages=6),
+                MoeTiles(up_n=128, down_n=128, stages=3), MoeTiles(up_n=32, down_n=32, stages=6),
                 MoeTiles(up_k=64, down_k=64, stages=8)]
     for T in (1, 8):
         x = torch.randn(T, D, device="cuda", generator=g).to(BF)
@@ -112,10 +121,10 @@ def main(argv=None):
             for t in tile_set:
                 t = MoeTiles(**{**t.__dict__, "down_split": t0.down_split})
                 fns = [lambda gu=gu, dn=dn, t=t: tri.moe_experts(x, idx, w, gu, dn, tiles=t) for gu, dn in sets]
-                err = None
-                if fmt != "bf16":
+                us, err = time_us(fns), None
+                if fmt != "bf16" and us == us:
                     err = float((fns[0]() - ref.moe_experts(x, idx, w, *sets[0])).abs().max())
-                row("moe_experts", T, fmt, t, time_us(fns), gb, err)
+                row("moe_experts", T, fmt, t, us, gb, err)
         # capacity: every expert's weights once
         if T == 8:
             for fmt, mode, sets, tile_set in cases(full, fp8, t0, variants):
@@ -141,8 +150,9 @@ def main(argv=None):
                     if mode == "accumulate" and t.block_k > BLOCK:
                         continue
                     fns = [lambda wi=wi, t=t: tri.linear(x, wi, tiles=t) for wi in qs]
-                    err = float((fns[0]() - ref.linear(x, qs[0])).abs().max())
-                    row(name, T, "fp8_block", t, time_us(fns), nbytes(qs[0]), err)
+                    us = time_us(fns)
+                    err = float((fns[0]() - ref.linear(x, qs[0])).abs().max()) if us == us else None
+                    row(name, T, "fp8_block", t, us, nbytes(qs[0]), err)
     lines = [f"Quantized GEMM kernels, {env_fields()['device_name']}: D {D}, I {I}, E {E}, K {K}; qkv {args.qkv} x {D}, "
              f"o {D} x {args.o_in}; {C} weight sets cycled per graph", "",
              "| op | T | weights | tiles | us | GB/s | max abs err vs reference |", "|---|---|---|---|---|---|---|"]
