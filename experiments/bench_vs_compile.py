@@ -178,8 +178,6 @@ def main(argv=None):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--weights", default="full", choices=FORMATS,
                     help="the weight format (model.weights); a quantized model runs moecg's rows only")
-    ap.add_argument("--quant-mode", default=None, choices=["dequant", "accumulate"],
-                    help="how the fused step's Triton GEMMs apply block scales (moecg.kernels.quant.MODE)")
     ap.add_argument("--bandwidth-gbps", type=float, default=4300)
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
@@ -198,10 +196,6 @@ def main(argv=None):
     if args.weights != "full" and not (args.skip_compile and args.skip_hf_generate):
         ap.error(f"--weights {args.weights}: HF's generate and the torch.compile recipe run HF's bf16 experts; give "
                  "--skip-compile --skip-hf-generate (moecg's rows, against HF's modules on the same quantized weights)")
-    if args.quant_mode is not None:
-        from moecg.kernels import quant  # the kernels' scale mode (Triton: imported only where it is asked for)
-
-        quant.MODE = args.quant_mode
     built = build_model(args.preset, num_layers=args.num_layers, device=args.device, weights=args.weights)
     model, dev = built.model, built.device
     results = []
@@ -246,8 +240,7 @@ def main(argv=None):
         results.append(row)
         print(json.dumps(row), flush=True)
 
-    head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, weights {built.weights}"
-            + (f" ({args.quant_mode} scales)" if args.quant_mode else "") + ", "
+    head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, weights {built.weights}, "
             f"{env_fields()['device_name']}, "
             f"prompt {args.prompt_len}, {args.new_tokens} new tokens, StaticCache {args.cache_len}, "
             f"compile mode {args.compile_mode}, buckets {list(buckets)}, prefill "

@@ -19,7 +19,7 @@ import sys
 import torch
 from bench_dispatch import capture  # same directory: the graph capture helper
 
-from moecg.kernels import quant, ref, triton_ops as tri
+from moecg.kernels import ref, triton_ops as tri
 from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles
 from moecg.models.weights import BLOCK, BlockFp8, fuse_rows, quantize
 from moecg.report import env_fields, write_report
@@ -70,12 +70,9 @@ def _time_us(fns, replays):
 
 
 def cases(full, fp8, t0, variants):
-    """(format, quant mode, weight sets, tiles): bf16 at the table's tiles, block-FP8 per mode over the variants (the
-    accumulate mode steps by at most 128 columns)."""
-    yield "bf16", quant.MODE, full, [t0]
-    for mode in quant.QUANT_MODES:
-        yield "fp8_block", mode, fp8, [t for t in [t0, *variants] if mode == "dequant" or
-                                       max(t.up_k, t.down_k) <= BLOCK]
+    """(format, weight sets, tiles): bf16 at the table's tiles, block-FP8 over the variants too."""
+    yield "bf16", full, [t0]
+    yield "fp8_block", fp8, [t0, *variants]
 
 
 def main(argv=None):
@@ -97,8 +94,8 @@ def main(argv=None):
     rows = []
 
     def row(kind, T, fmt, tiles, us, gb, err=None):
-        r = {"op": kind, "T": T, "weights": fmt, "mode": quant.MODE if fmt != "bf16" else "", "tiles": str(tiles),
-             "us": us, "gbps": gb / us / 1e3, "max_abs_err": err}
+        r = {"op": kind, "T": T, "weights": fmt, "tiles": str(tiles), "us": us, "gbps": gb / us / 1e3,
+             "max_abs_err": err}
         rows.append(r)
         print(json.dumps(r), flush=True)
 
@@ -115,8 +112,7 @@ def main(argv=None):
         w = torch.rand(T, K, device="cuda", generator=g).to(BF)
         hit = idx.unique().long()
         t0 = moe_tiles(T, D, I, E)
-        for fmt, mode, sets, tile_set in cases(full, fp8, t0, variants):
-            quant.MODE = mode
+        for fmt, sets, tile_set in cases(full, fp8, t0, variants):
             gb = nbytes(sets[0][0], hit) + nbytes(sets[0][1], hit)
             for t in tile_set:
                 t = MoeTiles(**{**t.__dict__, "down_split": t0.down_split})
@@ -127,8 +123,7 @@ def main(argv=None):
                 row("moe_experts", T, fmt, t, us, gb, err)
         # capacity: every expert's weights once
         if T == 8:
-            for fmt, mode, sets, tile_set in cases(full, fp8, t0, variants):
-                quant.MODE = mode
+            for fmt, sets, tile_set in cases(full, fp8, t0, variants):
                 gb = nbytes(sets[0][0]) + nbytes(sets[0][1])
                 for t in tile_set:
                     fns = [lambda gu=gu, dn=dn, t=t: tri.capacity_experts(x, idx, w, gu, dn, capacity_factor=1.25,
@@ -144,21 +139,17 @@ def main(argv=None):
         for T in (1, 8):
             x = torch.randn(T, Kd, device="cuda", generator=g).to(BF)
             row(name, T, "bf16", "ops.linear", time_us([lambda wi=wi: tri.linear(x, wi) for wi in ws]), nbytes(ws[0]))
-            for mode in quant.QUANT_MODES:
-                quant.MODE = mode
-                for t in grid:
-                    if mode == "accumulate" and t.block_k > BLOCK:
-                        continue
-                    fns = [lambda wi=wi, t=t: tri.linear(x, wi, tiles=t) for wi in qs]
-                    us = time_us(fns)
-                    err = float((fns[0]() - ref.linear(x, qs[0])).abs().max()) if us == us else None
-                    row(name, T, "fp8_block", t, us, nbytes(qs[0]), err)
+            for t in grid:
+                fns = [lambda wi=wi, t=t: tri.linear(x, wi, tiles=t) for wi in qs]
+                us = time_us(fns)
+                err = float((fns[0]() - ref.linear(x, qs[0])).abs().max()) if us == us else None
+                row(name, T, "fp8_block", t, us, nbytes(qs[0]), err)
     lines = [f"Quantized GEMM kernels, {env_fields()['device_name']}: D {D}, I {I}, E {E}, K {K}; qkv {args.qkv} x {D}, "
              f"o {D} x {args.o_in}; {C} weight sets cycled per graph", "",
              "| op | T | weights | tiles | us | GB/s | max abs err vs reference |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.2e}"
-        lines.append(f"| {r['op']} | {r['T']} | {r['weights']} {r['mode']} | {r['tiles']} | {r['us']:.1f} | {r['gbps']:.0f} | "
+        lines.append(f"| {r['op']} | {r['T']} | {r['weights']} | {r['tiles']} | {r['us']:.1f} | {r['gbps']:.0f} | "
                      f"{err} |")
     write_report("\n".join(lines), rows, args, args.out, args.json)
     return 0

@@ -29,8 +29,9 @@ def main(argv=None):
     ap.add_argument("--strategy", default="full")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--weights", default=None, help="the weight format (model.weights; default: as built)")
     args = ap.parse_args(argv)
-    built = build_model(args.preset, num_layers=args.num_layers, device="cuda")
+    built = build_model(args.preset, num_layers=args.num_layers, device="cuda", weights=args.weights)
     model = built.model
     attach(model, make_dispatcher(args.dispatch), max_rows=args.batch)
     eng = DecodeEngine(model, 256, args.batch)
@@ -39,7 +40,7 @@ def main(argv=None):
     eng.generate(prompts, 4, timing=False)
     rows = kernel_table(lambda: eng.step_impl(eng.ids, args.batch), args.steps)  # the cache goes on from above
     total = sum(r[1] for r in rows)
-    print(f"{args.preset} bs {args.batch} kernels={args.kernels} dispatch={args.dispatch} strategy={args.strategy}: "
+    print(f"{args.preset} weights={built.weights} bs {args.batch} kernels={args.kernels} dispatch={args.dispatch} strategy={args.strategy}: "
           f"{total / 1e3:.3f} ms device time per step (decode steps only)")
     print(f"{'kernel':90s} {'us/step':>9s} {'share':>6s} {'calls/step':>10s}")
     for name, t, n in rows[: args.top]:

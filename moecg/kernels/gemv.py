@@ -17,7 +17,7 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
-from moecg.kernels.quant import check_block_k, dequant_tile, quant_acc
+from moecg.kernels.quant import check_block_k, dequant_tile
 from moecg.models.weights import BlockFp8
 
 
@@ -59,8 +59,7 @@ def silu_mul(gu, inter: int):
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
-                 s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0,
-                 QACC: tl.constexpr = 0):
+                 s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0):
     pdl_enter(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     hd = tl.program_id(1)
@@ -76,22 +75,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
         km = k < K
         x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-        if QROWS and QACC:  # each 128-column block's partial sum times its scale (moecg.kernels.quant)
-            sw = tl.load(ws_ptr + (n // QROWS) * s_sn + (k0 // 128) * s_sk, mask=nm, other=0.0)  # [BLOCK_N]
-            acc += tl.dot(x, tl.trans(w.to(x.dtype))) * sw[None, :]
-        else:
-            if QROWS:
-                w = dequant_tile(w, ws_ptr + (n // QROWS) * s_sn, k0, K, s_sk, nm, x.dtype, BLOCK_N, BLOCK_K)
-            acc += tl.dot(x, tl.trans(w))
+        if QROWS:
+            w = dequant_tile(w, ws_ptr + (n // QROWS) * s_sn, k0, K, s_sk, nm, x.dtype, BLOCK_N, BLOCK_K)
+        acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + t[:, None] * s_yt + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=tm[:, None] & nm[None, :])
 
 
 GEMV_MAX_T = 16  # rows one program's tl.dot block holds
-
-
-FP8_TILES = _tiles.GemvTiles(64, 128, 4, 3)  # a block-FP8 weight's GEMV where the table has no rule for its shape
 
 
 @dry_zeros
@@ -117,15 +109,14 @@ def linear(x, w, bias=None, tiles=None):
 def _linear_fp8(x, w, bias, tiles):
     T, K = x.shape
     N = w.q.shape[0]
-    qacc = quant_acc()
-    t = tiles or _tiles.gemv_tiles(min(T, GEMV_MAX_T), N, K) or FP8_TILES
+    t = tiles or _tiles.fp8_gemv_tiles(T, N, K)
     assert x.stride(1) == 1 and w.q.stride(1) == 1 and (bias is None or bias.stride(0) == 1)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     s = w.scale
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, GEMV_MAX_T)), x, w.q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), w.q.stride(0), y.stride(0),
-           HAS_BIAS=bias is not None, BLOCK_T=GEMV_MAX_T, BLOCK_N=t.block_n, BLOCK_K=check_block_k(t.block_k, qacc),
-           num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows, QACC=qacc,
+           HAS_BIAS=bias is not None, BLOCK_T=GEMV_MAX_T, BLOCK_N=t.block_n, BLOCK_K=check_block_k(t.block_k),
+           num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows,
            **pdl_args(x.device, t.pdl_trigger))
     return y
 

@@ -27,22 +27,8 @@ def dequant_tile(w, srow_ptr, k0, K, s_sk, nmask, dt: tl.constexpr, BLOCK_N: tl.
     return out
 
 
-# How the GEMM kernels apply the scales (QACC): "dequant" (0) rounds each dequantized weight to the model dtype as the
-# reference does, then the same tl.dot; "accumulate" (1) casts the values to the model dtype (exact: e4m3 fits in
-# bf16) and multiplies each 128-column block's fp32 partial sum by its scale, as vLLM's and SGLang's block-FP8 kernels
-# do: fewer instructions per weight, and the reference's products without its rounding of each weight.
-QUANT_MODES = {"dequant": 0, "accumulate": 1}
-MODE = "dequant"
-
-
-def quant_acc() -> int:
-    """The QACC constexpr of the current MODE."""
-    return QUANT_MODES[MODE]
-
-
-def check_block_k(block_k: int, qacc: int = 0) -> int:
-    """A quantized GEMM's K step: a divisor of 128 (inside one scale column) or, dequantizing, a multiple of it."""
-    if not (128 % block_k == 0 or (block_k % 128 == 0 and not qacc)):
-        raise ValueError(f"BLOCK_K={block_k}: a block-FP8 GEMM steps by a divisor of 128" +
-                         ("" if qacc else " or a multiple of it"))
+def check_block_k(block_k: int) -> int:
+    """A quantized GEMM's K step: a divisor of 128 (inside one scale column) or a multiple of it (whole columns)."""
+    if not (128 % block_k == 0 or block_k % 128 == 0):
+        raise ValueError(f"BLOCK_K={block_k}: a block-FP8 GEMM steps by a divisor or a multiple of 128")
     return block_k

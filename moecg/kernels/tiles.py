@@ -107,6 +107,21 @@ def gemv_tiles(T: int, N: int, K: int) -> GemvTiles | None:
     return _first(GEMV_RULES, None, T, N, K)
 
 
+# The block-FP8 GEMV's tiles (it serves every shape, any T: cuBLAS has no block-FP8 path). From
+# experiments/bench_weights_kernels.py on an H200 (results/weights/kernels.md, Qwen3-30B-A3B's qkv 5120 x 2048 and
+# o 2048 x 4096 at T 1 and 8): 512-wide K steps win (each stage moves as many bytes as a 256-wide bf16 step), 32
+# columns per program for qkv (8.0 us, bf16's cuBLAS 8.2) and 16 for o, whose 2048 rows give too few programs
+# otherwise (8.8-9.0 us, cuBLAS 9.5-9.7; the former 64 x 128 tiles 17.8).
+FP8_GEMV_DEFAULT = GemvTiles(32, 512, 4, 3)
+FP8_GEMV_RULES: tuple[GemvRule, ...] = (
+    GemvRule(GemvTiles(16, 512, 4, 3), out=(0, 2049), inner=(4096, math.inf)),
+)
+
+
+def fp8_gemv_tiles(T: int, N: int, K: int) -> GemvTiles:
+    return _first(FP8_GEMV_RULES, FP8_GEMV_DEFAULT, T, N, K)
+
+
 def norm_warps(T: int, D: int, KK: int) -> int:
     """Warps of add_rmsnorm's one program per row (it reads KK partial rows of D fp32, the residual and the weight).
     D <= 2048: 16, more loads in flight for a kernel that runs one program at batch 1 (H200, issue14_s5/
