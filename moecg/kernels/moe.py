@@ -316,7 +316,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         raise ValueError(f"grid={grid!r}: choose auto, expert or slot")
     by_slot = grid == "slot" or (grid == "auto" and S < E)
     P = S if by_slot else E
-    t = tiles or _tiles.moe_tiles(T, D, inter, E)
+    t = tiles or _tiles.moe_tiles(T, D, inter, E, quantized=bool(a.up_scale["QROWS"]))
     split = t.down_split if down_bias is None else 1  # a biased down projection keeps one pass (bias before round)
     bm = t.block_m
     m_blocks = triton.cdiv(T, bm)  # an expert gets at most one assignment per token
