@@ -105,7 +105,9 @@ def main(argv=None):
     fp8 = [(q8(gu.float(), 2), q8(dn.float())) for gu, dn in full]
     variants = [MoeTiles(up_k=256, down_k=256, stages=3), MoeTiles(stages=6), MoeTiles(stages=3),
                 MoeTiles(up_n=128, down_n=128, stages=3), MoeTiles(up_n=32, down_n=32, stages=6),
-                MoeTiles(up_k=64, down_k=64, stages=8)]
+                MoeTiles(up_k=64, down_k=64, stages=8), MoeTiles(warps=8), MoeTiles(up_k=256, down_k=256, warps=8,
+                                                                                    stages=3),
+                MoeTiles(up_n=32, down_n=32, up_k=256, down_k=256, warps=8, stages=3)]
     for T in (1, 8):
         x = torch.randn(T, D, device="cuda", generator=g).to(BF)
         idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
@@ -135,7 +137,8 @@ def main(argv=None):
     for name, N, Kd in (("qkv", args.qkv, D), ("o", D, args.o_in)):
         ws = [torch.randn(N, Kd, device="cuda", generator=g).to(BF) * 0.02 for _ in range(C * 4)]
         qs = [q8(wi.float()) for wi in ws]
-        grid = [GemvTiles(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (64, 128, 256, 512) for st in (3, 4, 6)]
+        grid = [GemvTiles(bn, bk, wp, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for wp in (4, 8)
+                for st in (3, 4)]
         for T in (1, 8):
             x = torch.randn(T, Kd, device="cuda", generator=g).to(BF)
             row(name, T, "bf16", "ops.linear", time_us([lambda wi=wi: tri.linear(x, wi) for wi in ws]), nbytes(ws[0]))
