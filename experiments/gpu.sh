@@ -65,9 +65,10 @@ suite_floor() {  # the floor table: the fused step at bs 1 and 8 on the real-sha
   step qwen3_30b_a3b 48 full+fused
   step mixtral_8x7b 32 full+fused
 }
-suite_weights() {  # weight formats: the quantized kernels' GPU tests, then Qwen3-30B-A3B (48 layers) at bs 1 and 8 per format
+suite_weights() {  # weight formats: the quantized kernels' GPU tests and times, then Qwen3-30B-A3B (48 layers) at bs 1 and 8 per format
   bench weights
   t gpu_tests.log python3 -m pytest -q -s -m gpu tests/test_weights_gpu.py | grep -E "agreement|passed|failed|FAILED" | tail -12
+  t kernels.log python3 experiments/bench_weights_kernels.py --out "$D/kernels.md" --json "$D/kernels.json" | tail -1
   local w
   for w in ${FORMATS:-full fp8_block}; do
     t "step_qwen3_30b_a3b_48_$w.log" vs_compile --preset qwen3_30b_a3b --num-layers 48 --weights "$w" --batch 1 8 \
