@@ -245,3 +245,20 @@ def test_quantized_runs_on_every_strategy_and_kernel_path(preset="deepseek_v3_ti
             else:
                 assert r["token_agreement_forced_vs_eager"] >= (1.0 if kernels == "hf" else 0.99), kernels
     assert len(drops) == 1
+
+
+def test_local_checkpoints_convert_and_cut_at_load(tmp_path):
+    """A bf16 checkpoint quantized at load equals the preset quantized in place; an FP8 checkpoint cut in depth loads
+    its first layers only, the same tensors as the whole one's."""
+    full = build_model("qwen2_moe_tiny", dtype="fp32", device="cpu", seed=2).model
+    full.save_pretrained(str(tmp_path / "full"))
+    a = build_model(pretrained_path=str(tmp_path / "full"), dtype="fp32", device="cpu", weights="fp8_block")
+    b = build_model("qwen2_moe_tiny", dtype="fp32", device="cpu", seed=2, weights="fp8_block")
+    assert a.weights == "fp8_block"
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k].float(), sb[k].float()) for k in sa)
+    save_checkpoint(b.model, str(tmp_path / "fp8"))
+    cut = build_model(pretrained_path=str(tmp_path / "fp8"), dtype="fp32", device="cpu", num_layers=1)
+    sc = cut.model.state_dict()
+    assert len(cut.adapter.layers(cut.model)) == 1 and sc.keys() < sb.keys()
+    assert all(torch.equal(sc[k].float(), sb[k].float()) for k in sc)

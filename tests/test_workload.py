@@ -163,9 +163,11 @@ def test_fixed_workload_results_unchanged(case):
     ep_fields = {"ep", "ep_backend", "exchange_floor_ms", "nvlink_bandwidth_gbps"}  # expert parallelism
     knobs = {"pdl", "overlap_shared", "fuse_router", "precompile"}  # capture.*, recorded since they became config
     kv = {"kv_bytes_per_token"}  # the KV cache's bytes per token, recorded since the floor prices MLA's latent cache
-    assert new == {"workload", *schema.SERVING, *ep_fields, "prefill_chunk", "attn_implementation", *knobs, *kv}, \
-        "a field was added outside the serving and EP groups, prefill_chunk, attn_implementation, the capture knobs " \
-        "and kv_bytes_per_token"
+    fmt = {"weights", "weight_bytes"}  # the weight format and its bytes, recorded since there are formats
+    assert new == {"workload", *schema.SERVING, *ep_fields, "prefill_chunk", "attn_implementation", *knobs, *kv,
+                   *fmt}, "a field was added outside the serving and EP groups, prefill_chunk, attn_implementation, " \
+        "the capture knobs, kv_bytes_per_token and the weight format"
+    assert res["weights"] == "full" and res["weight_bytes"] > 0  # as built: today's path
     assert (res["pdl"], res["overlap_shared"], res["fuse_router"], res["precompile"]) == ("auto", True, True, True)
     assert res["attn_implementation"] == "sdpa"
     assert res["ep"] == 1 and all(res[f] is None for f in ep_fields - {"ep"})  # one process: today's path

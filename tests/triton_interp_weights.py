@@ -43,7 +43,7 @@ for T, N, K, parts, bias in ((1, 300, 200, 1, False), (5, 384, 256, 1, True), (2
     got = tri.linear(x, wq, b)
     close(got, ref.linear(x, wq, b), 1e-4)
     # K steps inside one scale column and across two and four of them
-    for tiles in (GemvTiles(64, 128, 4, 3), GemvTiles(16, 256, 4, 3), GemvTiles(32, 64, 4, 2), GemvTiles(16, 512)):
+    for tiles in (GemvTiles(64, 128, 4, 3), GemvTiles(32, 64, 4, 2), GemvTiles(16, 512)):
         out = tri.linear(x, wq, b, tiles=tiles)
         if T <= 16:  # the same tiles on the dequantized weight: the same bits
             assert torch.equal(out, tri.linear(x, wq.dense(), b, tiles=tiles)), (T, N, K, tiles)
@@ -91,8 +91,10 @@ for T, K, cf in ((6, 2, 0.5), (3, 2, 1.0)):
     close(got, ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf), 1e-4)
 
 # whole models on block-FP8 weights: the fused step on the Triton ops against the same step on the torch ops
-# (shared experts as their own FP8 GEMV, MLA's fused projections, dense first layers)
-for preset in ("qwen2_moe_tiny", "deepseek_v3_tiny"):
+# (shared experts as their own FP8 GEMV, MLA's fused projections, dense first layers; standard attention's fused
+# qkv is the GEMV above, and every family's fused step on the torch ops is bit for bit the dequantized model's in
+# tests/test_weights.py)
+for preset in ("deepseek_v3_tiny",):  # MLA's fused projections, shared experts, a dense first layer
     model = build_model(preset, dtype="fp32", device="cpu", seed=4, weights="fp8_block").model
     fused_backends_agree(model, torch.randint(0, 100, (2, 5)), 16, 3, preset)
 print("ALL OK")
