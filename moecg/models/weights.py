@@ -152,10 +152,6 @@ def compute_dtype(experts: nn.Module) -> torch.dtype:
     return getattr(experts, "_moecg_dtype", None) or experts.gate_up_proj.dtype
 
 
-def is_quantized(experts: nn.Module) -> bool:
-    return bool(getattr(experts, "_moecg_scale_rows", None))
-
-
 def quantize_experts(experts: nn.Module) -> None:
     """An HF fused experts module's gate_up_proj / down_proj -> e4m3 parameters + `<name>_scale_inv` (in place).
     gate and up are quantized as their own [I, D] weights (the published per-expert layout), then fused."""
