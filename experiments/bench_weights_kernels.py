@@ -12,25 +12,19 @@ reference (max abs error printed).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import statistics
 import sys
 
 import torch
-from bench_dispatch import capture  # same directory: the graph capture helper
+from bench_kernels import graph_time_us  # same directory: one graph of back-to-back calls, timed by replays
 
 from moecg.kernels import ref, triton_ops as tri
 from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles
-from moecg.models.weights import BLOCK, BlockFp8, fuse_rows, quantize
+from moecg.models.weights import BlockFp8, quantize_stacked
 from moecg.report import env_fields, write_report
 
 BF = torch.bfloat16
-
-
-def q8(w, parts=1):
-    n = w.shape[-2] // parts
-    q, s, rows = fuse_rows([(*quantize(w[..., i * n:(i + 1) * n, :]), BLOCK) for i in range(parts)])
-    return BlockFp8(q, s, rows, BF)
 
 
 def nbytes(w, rows=None):
@@ -42,31 +36,14 @@ def nbytes(w, rows=None):
 
 
 def time_us(fns, replays=20):
-    """us per call: every fn of `fns` once, in order, captured in one graph; median over replays (nan: the tiles do
-    not compile here, e.g. too much shared memory; the error is printed)."""
+    """us per call: every fn of `fns` once, in order, captured in one graph, median over replays
+    (bench_kernels.graph_time_us); nan where the tiles do not compile here (too much shared memory): printed."""
     try:
-        return _time_us(fns, replays)
+        cycle = itertools.cycle(fns)  # one graph of len(fns) calls, each fn once, in order
+        return graph_time_us(lambda: next(cycle)(), reps=len(fns), replays=replays)
     except Exception as e:  # noqa: BLE001 - one tile set that does not fit must not lose the others' rows
         print(f"failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return float("nan")
-
-
-def _time_us(fns, replays):
-    def burst():
-        for f in fns:
-            f()
-
-    g = capture(burst, None)
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / len(fns))
-    return statistics.median(out)
 
 
 def cases(full, fp8, t0, variants):
@@ -102,7 +79,7 @@ def main(argv=None):
     # -- MoE ------------------------------------------------------------------------------------------------------
     full = [(torch.randn(E, 2 * I, D, device="cuda", generator=g).to(BF) * 0.02,
              torch.randn(E, D, I, device="cuda", generator=g).to(BF) * 0.02) for _ in range(C)]
-    fp8 = [(q8(gu.float(), 2), q8(dn.float())) for gu, dn in full]
+    fp8 = [(quantize_stacked(gu.float(), 2, BF), quantize_stacked(dn.float(), 1, BF)) for gu, dn in full]
     variants = [MoeTiles(up_k=256, down_k=256, stages=3), MoeTiles(stages=6), MoeTiles(stages=3),
                 MoeTiles(up_n=128, down_n=128, stages=3), MoeTiles(up_n=32, down_n=32, stages=6),
                 MoeTiles(up_k=64, down_k=64, stages=8), MoeTiles(warps=8), MoeTiles(up_k=256, down_k=256, warps=8,
@@ -136,7 +113,7 @@ def main(argv=None):
     # -- GEMVs ----------------------------------------------------------------------------------------------------
     for name, N, Kd in (("qkv", args.qkv, D), ("o", D, args.o_in)):
         ws = [torch.randn(N, Kd, device="cuda", generator=g).to(BF) * 0.02 for _ in range(C * 4)]
-        qs = [q8(wi.float()) for wi in ws]
+        qs = [quantize_stacked(wi.float(), 1, BF) for wi in ws]
         grid = [GemvTiles(bn, bk, wp, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for wp in (4, 8)
                 for st in (3, 4)]
         for T in (1, 8):

@@ -24,6 +24,7 @@ from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.engine import DecodeEngine
 from moecg.fidelity import agreement, top2_margins
 from moecg.models import build_model
+from moecg.models.weights import weight_bytes
 from moecg.quality import heldout_bpb, heldout_prompts
 from moecg.report import env_fields, write_report
 
@@ -95,8 +96,7 @@ def main(argv=None):
         row = {"model": preset, "weights": quant.weights, "dtype": str(full.dtype).replace("torch.", ""),
                "free_agreement": free_agree, "forced_agreement": forced_agree, "worst_flip_margin": worst,
                "median_margin": float(margin.median()), "route_flip_rate": flips,
-               "weight_bytes_full": sum(p.numel() * p.element_size() for p in full.model.parameters()),
-               "weight_bytes": sum(p.numel() * p.element_size() for p in quant.model.parameters())}
+               "weight_bytes_full": weight_bytes(full.model), "weight_bytes": weight_bytes(quant.model)}
         for name, built in (("full", full), ("quant", quant)):
             row[f"bpb_{name}"], _ = _bpb(built.model, "dropless", args.max_bytes)
             for cf in args.capacity_factors:

@@ -122,7 +122,8 @@ def _fuse(params: list, align: int = 1) -> tuple:
             K = parts[0][0].shape[1]
             parts.append((parts[0][0].new_zeros(pad, K), parts[0][1].new_ones(1, parts[0][1].shape[1]), BLOCK))
         q, scale, g = fuse_rows(parts)
-        return BlockFp8(q, scale, g, params[0].dtype), q.numel() * q.element_size() + scale.numel() * 4
+        fused = BlockFp8(q, scale, g, params[0].dtype)
+        return fused, fused.stored_bytes()
     parts = [p.detach() for p in params]
     if pad:
         parts.append(parts[0].new_zeros(pad, *parts[0].shape[1:]))
@@ -245,7 +246,7 @@ class FastDecode:
         if A.ba is not None:
             self.owned_bytes += A.ba.numel() * A.ba.element_size()
         if isinstance(stored(at.kv_b_proj), BlockFp8):  # dequantized once for the per-head GEMVs (latent.build)
-            self.owned_bytes += A.w_uk.numel() * A.w_uk.element_size() * (A.nope + A.v_dim) // A.nope
+            self.owned_bytes += A.w_uk.untyped_storage().nbytes()  # w_uk and w_uv: views of one copy
         o_proj = ad.o_of(at)
         return _Layer(
             in_w=getattr(layer, ad.input_norm).weight, in_eps=_eps(getattr(layer, ad.input_norm)),

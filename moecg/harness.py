@@ -33,7 +33,7 @@ from moecg.engine import DecodeEngine
 from moecg.fidelity import agreement, logit_agreement
 from moecg.floor import exchange_floor_ms, kv_bytes_per_token, step_floor_ms
 from moecg.models import build_model
-from moecg.models.weights import stored_bytes
+from moecg.models.weights import weight_bytes
 from moecg.parallel import EPGroup, parallelize, shard_experts
 from moecg.plan import RunPlan, resolve_plan
 from moecg.quality import heldout_bpb
@@ -162,7 +162,7 @@ def _identity(plan: RunPlan, built, state, stats: dict, group: EPGroup) -> dict:
         "model": built.name, "family": built.family, "num_layers": len(built.adapter.layers(model)),
         "num_experts": state.num_experts, "top_k": built.adapter.top_k(model.config),
         "dtype": str(built.dtype).replace("torch.", ""), "weights": built.weights,
-        "weight_bytes": stored_bytes(model.parameters()), "device": built.device.type,
+        "weight_bytes": weight_bytes(model), "device": built.device.type,
         "attn_implementation": model.config._attn_implementation,
         "strategy": plan.strategy.name, "strategy_layers": plan.strategy_layers,
         "dispatch": d["dispatch"], "capacity_factor": d["capacity_factor"], "drop_policy": d["drop_policy"],

@@ -21,7 +21,7 @@ from moecg.floor import expert_bytes, floor_bytes
 from moecg.harness import run_experiment
 from moecg.models import adapter_for, build_model
 from moecg.models.weights import (BLOCK, FP8, FP8_MAX, BlockFp8, Fp8Linear, WeightFormatError, dequantize,
-                                  dequantize_model, fuse_rows, quantize, save_checkpoint, stored, stored_bytes)
+                                  dequantize_model, fuse_rows, quantize, save_checkpoint, stored, weight_bytes)
 from moecg.plan import PlanError, resolve_plan
 
 CONF_DIR = Path(moecg.__file__).parent / "conf"
@@ -204,7 +204,7 @@ def test_floor_counts_the_bytes_as_stored():
     hits = [4] * len(adapter_for(q).moe_layers(q))
     bf, bq = floor_bytes(full, adapter_for(full), hits, 1, 16), floor_bytes(q, adapter_for(q), hits, 1, 16)
     assert 0.5 < bq / bf < 0.75  # projections halve; embeddings, lm_head, norms, routers and KV stay bf16
-    assert stored_bytes(q.parameters()) < stored_bytes(full.parameters())
+    assert weight_bytes(q) < weight_bytes(full)
 
 
 def test_results_record_the_format_and_its_bytes():

@@ -21,15 +21,9 @@ from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import GemvTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
-from moecg.models.weights import BLOCK, BlockFp8, fuse_rows, quantize  # noqa: E402
+from moecg.models.weights import quantize_stacked  # noqa: E402
 
 BF = torch.bfloat16
-
-
-def _q8(w, parts=1):
-    n = w.shape[-2] // parts
-    q, s, rows = fuse_rows([(*quantize(w[..., i * n:(i + 1) * n, :]), BLOCK) for i in range(parts)])
-    return BlockFp8(q, s, rows, BF)
 
 
 def _close(a, b, tol=2e-2):
@@ -40,7 +34,7 @@ def _close(a, b, tol=2e-2):
 @pytest.mark.parametrize("N,K,parts", [(4096 + 2 * 512, 2048, 1), (2048, 4096, 1), (1536, 2048, 2)])
 def test_fp8_gemv_is_the_dequantized_gemv(T, N, K, parts):
     g = torch.Generator(device="cuda").manual_seed(T)
-    w = _q8(torch.randn(N, K, device="cuda", generator=g) * 0.02, parts)
+    w = quantize_stacked(torch.randn(N, K, device="cuda", generator=g) * 0.02, parts, BF)
     x = torch.randn(T, K, device="cuda", generator=g).to(BF)
     got = tri.linear(x, w)
     _close(got, ref.linear(x, w))
@@ -54,8 +48,8 @@ def test_fp8_gemv_is_the_dequantized_gemv(T, N, K, parts):
 def test_fp8_moe_kernels_are_the_dequantized_kernels(shape, T):
     D, I, E, K = shape
     g = torch.Generator(device="cuda").manual_seed(T)
-    gate_up = _q8(torch.randn(E, 2 * I, D, device="cuda", generator=g) * 0.02, 2)
-    down = _q8(torch.randn(E, D, I, device="cuda", generator=g) * 0.02)
+    gate_up = quantize_stacked(torch.randn(E, 2 * I, D, device="cuda", generator=g) * 0.02, 2, BF)
+    down = quantize_stacked(torch.randn(E, D, I, device="cuda", generator=g) * 0.02, 1, BF)
     x = torch.randn(T, D, device="cuda", generator=g).to(BF)
     idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
     w = torch.rand(T, K, device="cuda", generator=g).to(BF)

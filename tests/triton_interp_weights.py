@@ -17,27 +17,19 @@ from moecg.dispatch.base import Dispatcher  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import GemvTiles, MoeTiles  # noqa: E402
-from moecg.models.weights import BLOCK, BlockFp8, fuse_rows, quantize  # noqa: E402
+from moecg.models.weights import BLOCK, quantize_stacked  # noqa: E402
 
 from moecg.models import build_model  # noqa: E402
 
 from interp_common import close, fused_backends_agree  # noqa: E402 (tests/, this script's directory)
 
 torch.manual_seed(0)
-f32 = torch.float32
-
-
-def q8(w, parts=1):
-    """w [..., N, K] quantized as `parts` equal row blocks (gate | up), fused: a BlockFp8 in fp32."""
-    n = w.shape[-2] // parts
-    q, s, rows = fuse_rows([(*quantize(w[..., i * n:(i + 1) * n, :]), BLOCK) for i in range(parts)])
-    return BlockFp8(q, s, rows, f32)
 
 
 # GEMV: N/K spanning several 128-blocks with ragged tails, one row group of 64 (two fused parts of 64 rows)
 for T, N, K, parts, bias in ((1, 300, 200, 1, False), (5, 384, 256, 1, True), (21, 128, 160, 2, False),
                              (3, 96, 64, 1, True)):
-    wq = q8(torch.randn(N, K), parts)
+    wq = quantize_stacked(torch.randn(N, K), parts)
     x = torch.randn(T, K)
     b = torch.randn(N) if bias else None
     got = tri.linear(x, wq, b)
@@ -61,8 +53,8 @@ def counters(E):
 
 # dropless MoE: I = 96 (fused gate|up groups of 32 rows), D = 320 (ragged last K block), split-K down, pad rows
 E, D, I = 6, 320, 96
-gate_up = q8(torch.randn(E, 2 * I, D) * 0.1, 2)
-down = q8(torch.randn(E, D, I) * 0.1)
+gate_up = quantize_stacked(torch.randn(E, 2 * I, D) * 0.1, 2)
+down = quantize_stacked(torch.randn(E, D, I) * 0.1)
 assert gate_up.rows == 32 and down.rows == BLOCK
 for T, K, grid, split, valid in ((1, 2, "slot", 2, None), (4, 2, "expert", 1, torch.tensor([1, 1, 0, 1]) != 0),
                                  (9, 3, "auto", 3, None)):

@@ -106,7 +106,7 @@ def build_model(preset: str | None = None, *, pretrained_path: str | None = None
                 ckpt.num_hidden_layers = num_layers
             ckpt._attn_implementation = attn
             model = _construct(model_cls, ckpt, dt, dev)
-            quantize_model(model, adapter_for(model), stored)
+            quantize_model(model, adapter_for(model), stored, values=False)  # the checkpoint fills it
             load_checkpoint(model, pretrained_path)
         name = preset or str(pretrained_path).rstrip("/").split("/")[-1]
     else:

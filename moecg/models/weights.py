@@ -102,6 +102,21 @@ def fuse_rows(parts: list[tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[torc
     return torch.cat(qs, dim=-2), torch.cat(ss, dim=-2), g
 
 
+def quantize_stacked(w: torch.Tensor, parts: int = 1, dtype: torch.dtype | None = None, quantizer=quantize) -> BlockFp8:
+    """w [..., N, K] as `parts` equal row blocks, each quantized as its own published weight (gate | up), fused: a
+    BlockFp8 computing in `dtype` (default w's). quantizer: `quantize`, or `placeholder` (shapes only)."""
+    n = w.shape[-2] // parts
+    q, s, rows = fuse_rows([(*quantizer(w[..., i * n:(i + 1) * n, :]), BLOCK) for i in range(parts)])
+    return BlockFp8(q, s, rows, dtype or w.dtype)
+
+
+def placeholder(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize's shapes and dtypes, zeros, nothing computed: the skeleton a checkpoint's tensors fill."""
+    *lead, N, K = w.shape
+    return (torch.zeros(*lead, N, K, dtype=FP8, device=w.device),
+            torch.zeros(*lead, math.ceil(N / BLOCK), math.ceil(K / BLOCK), device=w.device))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the model's modules, quantized in place
 class Fp8Linear(nn.Module):
@@ -117,8 +132,8 @@ class Fp8Linear(nn.Module):
         self.compute_dtype = dtype
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear) -> Fp8Linear:
-        q, s = quantize(lin.weight.detach())
+    def from_linear(cls, lin: nn.Linear, quantizer=quantize) -> Fp8Linear:
+        q, s = quantizer(lin.weight.detach())
         return cls(q, s, lin.bias, lin.weight.dtype)
 
     def stored(self) -> BlockFp8:
@@ -152,44 +167,29 @@ def compute_dtype(experts: nn.Module) -> torch.dtype:
     return getattr(experts, "_moecg_dtype", None) or experts.gate_up_proj.dtype
 
 
-def quantize_experts(experts: nn.Module) -> None:
+def quantize_experts(experts: nn.Module, quantizer=quantize) -> None:
     """An HF fused experts module's gate_up_proj / down_proj -> e4m3 parameters + `<name>_scale_inv` (in place).
     gate and up are quantized as their own [I, D] weights (the published per-expert layout), then fused."""
     if getattr(experts, "is_transposed", False):
         raise WeightFormatError(f"model.weights=fp8_block: {type(experts).__name__} stores its experts transposed "
                                 "([E, D, 2I], GPT-OSS); block-FP8 covers the [E, 2I, D] layout: use "
                                 "model.weights=full for this family")
-    dtype = experts.gate_up_proj.dtype
-    gu = experts.gate_up_proj.detach()  # [E, 2I, D]
-    inter = gu.shape[1] // 2
-    gate, up = quantize(gu[:, :inter]), quantize(gu[:, inter:])
-    q, s, rows = fuse_rows([(*gate, BLOCK), (*up, BLOCK)])
-    qd, sd = quantize(experts.down_proj.detach())  # [E, D, I]
-    _set_quantized(experts, {"gate_up_proj": (q, s, rows), "down_proj": (qd, sd, BLOCK)}, dtype)
-
-
-def _set_quantized(experts: nn.Module, params: dict, dtype: torch.dtype) -> None:
+    experts._moecg_dtype = experts.gate_up_proj.dtype
     experts._moecg_scale_rows = {}
-    for name, (q, s, rows) in params.items():
-        setattr(experts, name, nn.Parameter(q, requires_grad=False))
-        setattr(experts, name + SCALE, nn.Parameter(s, requires_grad=False))
-        experts._moecg_scale_rows[name] = rows
-    experts._moecg_dtype = dtype
+    for name, parts in (("gate_up_proj", 2), ("down_proj", 1)):  # [E, 2I, D] gate | up, [E, D, I]
+        w = quantize_stacked(getattr(experts, name).detach(), parts, quantizer=quantizer)
+        setattr(experts, name, nn.Parameter(w.q, requires_grad=False))
+        setattr(experts, name + SCALE, nn.Parameter(w.scale, requires_grad=False))
+        experts._moecg_scale_rows[name] = w.rows
 
 
 def quantized_linears(model, adapter) -> list[tuple[nn.Module, str]]:
     """(parent module, attribute) of every nn.Linear the format quantizes: those of the decoder layers but the
     routers and the shared-expert gate."""
-    keep = set()
-    for layer in adapter.layers(model):
-        block = adapter.moe_block(layer)
-        if block is not None:
-            keep.add(id(getattr(block, adapter.router)))
-            gate = adapter.shared_gate_of(layer)
-            if gate is not None:
-                keep.add(id(gate))
     out = []
     for layer in adapter.layers(model):
+        block = adapter.moe_block(layer)
+        keep = set() if block is None else {id(getattr(block, adapter.router)), id(adapter.shared_gate_of(layer))}
         for parent in layer.modules():
             for name, child in parent.named_children():
                 if type(child) is nn.Linear and id(child) not in keep:
@@ -211,20 +211,23 @@ def _dequantizing_forward(self, *args, **kwargs):
 ExpertsInterface.register(DEQUANTIZING, _dequantizing_forward)
 
 
-def quantize_model(model, adapter, fmt: str) -> None:
-    """Store `model`'s weights in format `fmt` (in place; `full` leaves them as they are)."""
+def quantize_model(model, adapter, fmt: str, values: bool = True) -> None:
+    """Store `model`'s weights in format `fmt` (in place; `full` leaves them as they are). values=False: the format's
+    tensors only, zeros (placeholder), for a checkpoint to fill (load_checkpoint)."""
     if fmt == "full":
         return
     if fmt != "fp8_block":
         raise WeightFormatError(f"model.weights={fmt!r}: choose one of {', '.join(FORMATS)}")
+    quantizer = quantize if values else placeholder
     base = model.config._experts_implementation
+    moe = adapter.moe_layers(model)
     with torch.no_grad():
-        for _, experts in adapter.moe_layers(model):
-            quantize_experts(experts)
+        for _, experts in moe:
+            quantize_experts(experts, quantizer)
             experts._moecg_base_impl = base
         for parent, name in quantized_linears(model, adapter):
-            setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name)))
-    if adapter.moe_layers(model) and base != DEQUANTIZING:
+            setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name), quantizer))
+    if moe and base != DEQUANTIZING:
         model.set_experts_implementation(DEQUANTIZING)
     model._moecg_weights = fmt
 
@@ -279,14 +282,9 @@ def dequantized(experts: nn.Module):
         experts._parameters.update(saved)
 
 
-def stored_bytes(tensors) -> int:
-    """Bytes of weights as stored (values and scales), for tensors and BlockFp8s."""
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        total += t.stored_bytes() if isinstance(t, BlockFp8) else t.numel() * t.element_size()
-    return total
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters as stored (values and block scales; a tied weight once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -352,28 +350,15 @@ def _published_rows(model, state: dict) -> dict[str, tuple[str, torch.Tensor, tu
     return out
 
 
-class _ScaleRows:
-    """The scale rows of a published tensor's rows (row ids `rows` of a weight [..., N, K], published shape `lead` +
-    [K]) inside that weight's scale [..., ceil(N/g), nk] (each scale row covers g weight rows): one per g published
-    rows, in the published order."""
-
-    def __init__(self, scale, g, rows, n, lead):
-        r = rows.view(*lead)[..., ::g]  # the first of every g published rows
-        if (rows.view(*lead).diff(dim=-1) != 1).any() or (r % n % g).any():
-            raise WeightFormatError(f"published rows do not fall on whole {g}-row scale groups of the fused weight")
-        self.flat = scale.view(-1, scale.shape[-1])
-        self.ids = r // n * scale.shape[-2] + r % n // g  # [..., ceil(rows/g)]
-
-    def __getitem__(self, key):
-        return self.flat[self.ids][key]
-
-    def __setitem__(self, key, value):
-        assert key is Ellipsis
-        self.flat[self.ids.reshape(-1)] = value.reshape(-1, self.flat.shape[-1]).to(self.flat.dtype)
-
-
-def _scale_rows(weight, scale, g, rows, lead) -> _ScaleRows:
-    return _ScaleRows(scale, g, rows, weight.shape[-2], lead)
+def _scale_index(weight, scale, g, rows, lead) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale as rows [-1, nk], the ids [..., ceil(n/g)] of the scale rows a published tensor's rows use): row ids
+    `rows` of a weight [..., N, K] (published shape `lead` + [K]) inside its scale [..., ceil(N/g), nk], where each
+    scale row covers g weight rows; one id per g published rows, in the published order."""
+    n = weight.shape[-2]
+    r = rows.view(*lead)[..., ::g]  # the first of every g published rows
+    if (rows.view(*lead).diff(dim=-1) != 1).any() or (r % n % g).any():
+        raise WeightFormatError(f"published rows do not fall on whole {g}-row scale groups of the fused weight")
+    return scale.view(-1, scale.shape[-1]), r // n * scale.shape[-2] + r % n // g
 
 
 def _state(model) -> dict:
@@ -402,7 +387,8 @@ def save_checkpoint(model, path: str) -> None:
         if name in quant:
             _, scale, g = quant[name]
             # the tensor's own 128-row blocks: the scale row of every 128th of its rows (g divides 128)
-            tensors[pub + SCALE] = _scale_rows(state[name], scale.detach(), g, rows, lead)[..., :: BLOCK // g, :].contiguous()
+            flat, ids = _scale_index(state[name], scale.detach(), g, rows, lead)
+            tensors[pub + SCALE] = flat[ids[..., :: BLOCK // g]].contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = copy.deepcopy(model.config)
     if weight_format(model) == "fp8_block":
@@ -413,10 +399,9 @@ def save_checkpoint(model, path: str) -> None:
 
 
 def load_checkpoint(model, path: str) -> None:
-    """Fill `model` (built from the checkpoint's config and stored in its format, e.g. by quantize_model) from the
-    checkpoint at `path` in the published layout (save_checkpoint's, HF's per-expert names, or HF's fused ones).
-    Every tensor of the model must be found, with the shape it publishes; scales of a fused weight whose blocks
-    straddle its parts are refused (they cannot be split exactly)."""
+    """Fill `model` (built from the checkpoint's config and stored in its format: quantize_model(values=False)) from
+    the checkpoint at `path` in the published layout (HF's per-expert names, as save_checkpoint writes them). Every
+    tensor of the model must be found, with the shape and dtype it publishes, and each e4m3 weight its scales."""
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors"))
@@ -455,8 +440,9 @@ def load_checkpoint(model, path: str) -> None:
                 if tuple(s.shape) != want:
                     raise WeightFormatError(f"model.pretrained_path={path}: {key} is {tuple(s.shape)}, expected "
                                             f"{want} (one scale per 128 x 128 block of {pub})")
-                _scale_rows(dst, scale, g, rows, lead)[...] = s.repeat_interleave(BLOCK // g, dim=-2)[
-                    ..., : math.ceil(lead[-1] / g), :]
+                flat, ids = _scale_index(dst, scale, g, rows, lead)
+                flat[ids.reshape(-1)] = s.repeat_interleave(BLOCK // g, dim=-2)[..., : math.ceil(lead[-1] / g), :] \
+                    .reshape(-1, flat.shape[-1])
     missing = sorted(set(state) - filled - {n + SCALE for n in quant})
     if missing:
         raise WeightFormatError(f"model.pretrained_path={path}: the model's {missing[0]} was not in the checkpoint")
