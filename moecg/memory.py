@@ -13,19 +13,30 @@ import torch
 from moecg.config.readers import PlanError
 from moecg.engine import chunk_bounds
 from moecg.models.adapter import ADAPTERS
+from moecg.models.weights import quantize_model
 from moecg.models.zoo import FAMILIES, family_of_config
 
 MEMORY_HEADROOM = 0.85  # refuse a run whose estimate exceeds this share of the memory available now
 
 
-def _param_bytes(config, dtype_bytes: int) -> tuple[int, int]:
-    """(all parameters, one decoder layer's) in bytes, counted on the meta device (no memory, no init)."""
-    _, cls = FAMILIES[family_of_config(config)]
-    with torch.device("meta"):
-        m = cls(config)
-    total = sum(p.numel() for p in m.parameters())
-    per_layer = max(sum(p.numel() for p in layer.parameters()) for layer in m.model.layers)
-    return total * dtype_bytes, per_layer * dtype_bytes
+def _param_bytes(config, dtype: torch.dtype, weights: str = "full") -> tuple[int, int]:
+    """(all parameters, one decoder layer's) in bytes as stored in format `weights` (values and scales), counted on
+    the meta device (no memory, no init)."""
+    family = family_of_config(config)
+    _, cls = FAMILIES[family]
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            m = cls(config)
+            quantize_model(m, ADAPTERS[family], weights, values=False)
+    finally:
+        torch.set_default_dtype(prev)
+
+    def size(mod):
+        return sum(p.numel() * p.element_size() for p in mod.parameters())
+
+    return size(m), max(size(layer) for layer in m.model.layers)
 
 
 def _kv_bytes_per_layer(plan, dtype_bytes: int) -> int:
@@ -43,7 +54,7 @@ def _prefill_tokens(plan) -> int:
 def estimate_memory(plan) -> int:
     """Bytes the run holds at its peak: weights, the KV caches of the reference and measured engines, logits."""
     nbytes = torch.empty((), dtype=plan.dtype).element_size()
-    weights, _ = _param_bytes(plan.model.config, nbytes)
+    weights, _ = _param_bytes(plan.model.config, plan.dtype, plan.model.weights)
     engines = 2 if plan.measure.fidelity else 1
     if plan.serving:  # fidelity decodes one request at a time; the anchor's paged cache holds the KV again
         engines = 1 + (1 if plan.workload.anchor else 0)
@@ -65,7 +76,7 @@ def grouped_fallback_bytes(plan) -> int:
         return 0
     cfg = plan.model.config
     k = ADAPTERS[plan.model.family].top_k(cfg)
-    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    inter = ADAPTERS[plan.model.family].expert_intermediate(cfg)
     nbytes = torch.empty((), dtype=plan.dtype).element_size()
     return plan.max_rows * _prefill_tokens(plan) * k * cfg.hidden_size * 2 * inter * nbytes
 
@@ -101,7 +112,7 @@ def check_fits(plan, available: int | None = None) -> None:
     if avail is None or plan.memory_bytes <= MEMORY_HEADROOM * avail:
         return
     nbytes = torch.empty((), dtype=plan.dtype).element_size()
-    weights, per_layer = _param_bytes(plan.model.config, nbytes)
+    weights, per_layer = _param_bytes(plan.model.config, plan.dtype, plan.model.weights)
     engines = 2 if plan.measure.fidelity else 1
     per_layer_total = per_layer + engines * _kv_bytes_per_layer(plan, nbytes)
     fixed = plan.memory_bytes - plan.model.layers * per_layer_total

@@ -20,8 +20,9 @@ from moecg.fast import FastDecode
 from moecg.floor import expert_bytes, floor_bytes
 from moecg.harness import run_experiment
 from moecg.models import adapter_for, build_model
-from moecg.models.weights import (BLOCK, FP8, FP8_MAX, BlockFp8, Fp8Linear, WeightFormatError, dequantize,
-                                  dequantize_model, fuse_rows, quantize, save_checkpoint, stored, weight_bytes)
+from moecg.models.weights import (BLOCK, FP4_VALUES, FP8, FP8_MAX, BlockFp8, Fp8Linear, Mxfp4, WeightFormatError,
+                                  dequantize, dequantize_model, fuse_rows, mx_dequantize, mx_quantize, quantize,
+                                  save_checkpoint, stored, weight_bytes)
 from moecg.plan import PlanError, resolve_plan
 
 CONF_DIR = Path(moecg.__file__).parent / "conf"
@@ -36,10 +37,10 @@ def _cfg(*overrides):
         return compose(config_name="config", overrides=list(overrides))
 
 
-def _pair(preset, seed=0, **overrides):
-    """(the fp8_block model, the same model with its weights replaced by their reference dequantization)."""
-    a = build_model(preset, dtype="fp32", device="cpu", seed=seed, weights="fp8_block", config_overrides=overrides)
-    b = build_model(preset, dtype="fp32", device="cpu", seed=seed, weights="fp8_block", config_overrides=overrides)
+def _pair(preset, seed=0, weights="fp8_block", **overrides):
+    """(the quantized model, the same model with its weights replaced by their reference dequantization)."""
+    a = build_model(preset, dtype="fp32", device="cpu", seed=seed, weights=weights, config_overrides=overrides)
+    b = build_model(preset, dtype="fp32", device="cpu", seed=seed, weights=weights, config_overrides=overrides)
     dequantize_model(b.model, b.adapter)
     return a.model, b.model
 
@@ -76,6 +77,37 @@ def test_fused_rows_dequantize_to_the_parts_stacked():
     assert fuse_rows([(*parts[1], BLOCK)])[2] == BLOCK  # one part of any length keeps 128-row groups
 
 
+def test_mx_quantization_is_the_published_format():
+    """Scales: the smallest power of two that holds the block's amax (a zero block 2^0, the smallest 2^-126);
+    values: the nearest e2m1 value, ties to the even code; packing: the low nibble the even column. HF's own mxfp4
+    dequantizer (GPT-OSS's loader) reads the result as moecg's reference does."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    row = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, -0.74, 0.24, 3.0] + [0.0] * 20)
+    w = torch.stack([row, row * 2 ** 5, row * 1.01, torch.zeros(32), torch.full((32,), 1e-40)])
+    q, s = mx_quantize(w)
+    assert q.shape == (5, 16) and s.shape == (5, 1) and q.dtype == s.dtype == torch.uint8
+    assert s.flatten().tolist() == [127, 132, 128, 127, 1]  # 6 fits 2^0; 6.06 needs 2^1; zeros 2^0; tiny 2^-126
+    lut = torch.tensor(FP4_VALUES)
+    codes = torch.stack([q & 15, q >> 4], -1).flatten(-2).long()  # low nibble first
+    want = [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -4.0, -0.5, 0.0, 3.0]  # ties: .25->0 .75->1 1.25->1 1.75->2 ...
+    assert lut[codes[0, :12]].tolist() == want and lut[codes[1, :12]].tolist() == want
+    assert (codes[3] == 0).all() and (codes[4] == 0).all()
+    d = mx_dequantize(q, s, torch.float32)
+    assert torch.equal(d[1], torch.tensor(want + [0.0] * 20) * 32)
+    torch.manual_seed(0)
+    w = torch.randn(4, 48, 96) * torch.logspace(-4, 2, 96)
+    q, s = mx_quantize(w)
+    d = mx_dequantize(q, s, torch.float32)
+    scale = torch.ldexp(torch.ones(s.shape), s.int() - 127).repeat_interleave(32, -1)
+    # e2m1 steps are 0.5, 1, 2 per scale unit below 2, 4, 6: each value within half its step
+    step = torch.where(w.abs() < 2 * scale, 0.5, torch.where(w.abs() < 4 * scale, 1.0, 2.0)) * scale
+    assert ((d - w).abs() <= step / 2).all() and (w.abs().view(4, 48, 3, 32).amax(-1) <= 6 * scale[..., ::32]).all()
+    assert torch.equal(mx_dequantize(*mx_quantize(d), torch.float32), d)  # on the grid: exactly back
+    hf = convert_moe_packed_tensors(q.view(4, 48, 3, 16), s, dtype=torch.bfloat16)  # [E, K, N]: GPT-OSS's layout
+    assert torch.equal(hf, Mxfp4(q, s, torch.bfloat16, transposed=True).dense())
+
+
 def test_what_the_format_quantizes():
     m = build_model("qwen2_moe_tiny", dtype="fp32", device="cpu", weights="fp8_block").model
     ad = adapter_for(m)
@@ -88,15 +120,23 @@ def test_what_the_format_quantizes():
     ex = layer.mlp.experts
     assert ex.gate_up_proj.dtype == FP8 and isinstance(stored(ex, "gate_up_proj"), BlockFp8)
     assert m.config._experts_implementation == "moecg_dequantized"
+    m = build_model("gpt_oss_tiny", dtype="fp32", device="cpu", weights="mxfp4").model  # experts only, as published
+    ex = m.model.layers[0].mlp.experts
+    assert ex.gate_up_proj.dtype == torch.uint8 and isinstance(stored(ex, "gate_up_proj"), Mxfp4)
+    assert ex.gate_up_proj.shape == (8, 64, 32) and ex.gate_up_proj_scales.shape == (8, 64, 2)  # [E, 2I, D/2]
+    assert stored(ex, "gate_up_proj").dense().shape == (8, 64, 64)  # the module's [E, D, 2I] again
+    assert ex.gate_up_proj_bias.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for n, p in m.named_parameters() if ".experts." not in n)
 
 
 # -- every path against the dequantized model -------------------------------------------------------
 
-@pytest.mark.parametrize("preset", FAMILIES)
-def test_quantized_model_is_its_dequantized_self_on_every_dispatcher(preset):
+@pytest.mark.parametrize("preset,weights", [(p, "fp8_block") for p in FAMILIES] +
+                         [(p, "mxfp4") for p in ("gpt_oss_tiny", "mixtral_tiny", "deepseek_v3_tiny")])
+def test_quantized_model_is_its_dequantized_self_on_every_dispatcher(preset, weights):
     """Each HF-module dispatcher, HF's own experts (no dispatcher) and the fused step (torch ops) give the dequantized
     model's logits bit for bit, with the same counters."""
-    a, b = _pair(preset, seed=3)
+    a, b = _pair(preset, seed=3, weights=weights)
     ids = torch.randint(0, 100, (3, 6))
     with torch.no_grad():
         assert torch.equal(a(ids).logits, b(ids).logits)  # no dispatcher: HF's experts on dequantized weights
@@ -160,12 +200,49 @@ def test_checkpoint_round_trip_in_the_published_layout(preset, tmp_path):
         assert torch.equal(a.model(ids).logits, full.model(ids).logits)  # read back dequantized: the same model
 
 
+@pytest.mark.parametrize("preset", ["gpt_oss_tiny", "qwen2_moe_tiny"])
+def test_mxfp4_checkpoint_round_trip_in_the_published_layout(preset, tmp_path):
+    """GPT-OSS's layout: `<experts>.gate_up_proj_blocks` [E, 2I, D/32, 16] and `_scales` [E, 2I, D/32] uint8 (for
+    every family, under its experts module's name), everything else in the model dtype under HF's names."""
+    wide = dict(hidden_size=320, intermediate_size=192) if preset == "gpt_oss_tiny" else WIDE
+    a = build_model(preset, dtype="fp32", device="cpu", seed=1, weights="mxfp4", config_overrides=wide)
+    save_checkpoint(a.model, str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"] == {"quant_method": "mxfp4"}
+    f = safe_open(str(tmp_path / "model.safetensors"), "pt")
+    ex = "model.layers.1.mlp.experts."
+    E = a.adapter.num_experts(a.model.config)
+    inter = a.adapter.expert_intermediate(a.model.config)
+    assert f.get_slice(ex + "gate_up_proj_blocks").get_shape() == [E, 2 * inter, 10, 16]
+    assert f.get_slice(ex + "gate_up_proj_scales").get_shape() == [E, 2 * inter, 10]
+    assert f.get_slice(ex + "down_proj_blocks").get_dtype() == "U8"
+    assert f.get_slice(ex + "down_proj_scales").get_shape() == [E, 320, inter // 32]
+    assert f.get_slice("model.layers.1.self_attn.o_proj.weight").get_dtype() == "F32"
+    b = build_model(pretrained_path=str(tmp_path), dtype="fp32", device="cpu", seed=9)
+    assert b.weights == "mxfp4"
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    full = build_model(pretrained_path=str(tmp_path), dtype="fp32", device="cpu", weights="full")
+    ids = torch.randint(0, 100, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(a.model(ids).logits, full.model(ids).logits)
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[ex + "down_proj_scales"] = tensors[ex + "down_proj_scales"][:, :, :1].contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightFormatError, match=r"down_proj_scales is torch.uint8 \(.*\), the model expects"):
+        build_model(pretrained_path=str(tmp_path), dtype="fp32", device="cpu")
+    del tensors[ex + "down_proj_scales"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightFormatError, match=r"no tensor model.layers.1.mlp.experts.down_proj_scales"):
+        build_model(pretrained_path=str(tmp_path), dtype="fp32", device="cpu")
+
+
 def test_checkpoints_moecg_cannot_read_are_refused_naming_the_field(tmp_path):
     a = build_model("qwen3_moe_tiny", dtype="fp32", device="cpu", weights="fp8_block")
     save_checkpoint(a.model, str(tmp_path))
     cfg_path = tmp_path / "config.json"
     good = json.loads(cfg_path.read_text())
-    for qc, match in (({"quant_method": "mxfp4"}, r"quantization_config.quant_method='mxfp4'"),
+    for qc, match in (({"quant_method": "awq"}, r"quantization_config.quant_method='awq'"),
+                      ({"quant_method": "mxfp4", "group_size": 64}, r"quantization_config.group_size=64"),
                       ({**good["quantization_config"], "weight_block_size": [64, 64]},
                        r"quantization_config.weight_block_size=\[64, 64\]"),
                       ({**good["quantization_config"], "activation_scheme": "static"},
@@ -188,7 +265,17 @@ def test_formats_are_validated_before_the_build():
     with pytest.raises(PlanError, match=r"model.weights=fp8_block: gpt_oss stores its experts transposed"):
         resolve_plan(_cfg("model=gpt_oss_tiny", "model.weights=fp8_block"))
     assert resolve_plan(_cfg("model=qwen3_moe_tiny", "model.weights=fp8_block")).model.weights == "fp8_block"
+    assert resolve_plan(_cfg("model=gpt_oss_tiny", "model.weights=mxfp4")).model.weights == "mxfp4"
     assert resolve_plan(_cfg("model=qwen3_moe_tiny")).model.weights == "full"
+
+
+def test_mxfp4_needs_whole_scale_blocks(tmp_path):
+    build_model("mixtral_tiny", dtype="fp32", device="cpu", config_overrides={"intermediate_size": 48}) \
+        .model.save_pretrained(str(tmp_path))
+    with pytest.raises(PlanError, match=r"model.weights=mxfp4: the expert intermediate size \(48\) is not a multiple "
+                                        r"of 32"):
+        resolve_plan(_cfg("model=local", f"model.pretrained_path={tmp_path}", "model.weights=mxfp4"))
+    assert resolve_plan(_cfg("model=local", f"model.pretrained_path={tmp_path}")).model.weights == "full"
 
 
 # -- bytes, floor, record -------------------------------------------------------------------------
@@ -205,6 +292,10 @@ def test_floor_counts_the_bytes_as_stored():
     bf, bq = floor_bytes(full, adapter_for(full), hits, 1, 16), floor_bytes(q, adapter_for(q), hits, 1, 16)
     assert 0.5 < bq / bf < 0.75  # projections halve; embeddings, lm_head, norms, routers and KV stay bf16
     assert weight_bytes(q) < weight_bytes(full)
+    mx = build_model("qwen3_moe_tiny", dtype="bf16", device="cpu", weights="mxfp4", config_overrides=WIDE).model
+    ex_m = adapter_for(mx).experts_of(mx.model.layers[0])
+    # 4.25 bits a value: half a byte, and a byte of scale per 32
+    assert expert_bytes(ex_m) == (384 * 320 + 320 * 192) // 2 + (384 * 320 + 320 * 192) // 32
 
 
 def test_results_record_the_format_and_its_bytes():

@@ -18,7 +18,7 @@ from transformers.utils import (is_flash_attn_2_available, is_flash_attn_3_avail
 from moecg.config.readers import PlanError, as_float, as_int
 from moecg.models import FAMILIES, PRESETS, _attn_implementation, make_config, shipped_checkpoint
 from moecg.models.adapter import ADAPTERS
-from moecg.models.weights import FORMATS, WeightFormatError, checkpoint_format
+from moecg.models.weights import FORMATS, MX_BLOCK, WeightFormatError, checkpoint_format
 from moecg.models.zoo import family_of_config
 
 
@@ -34,8 +34,8 @@ class ModelConfig:
     dtype: Any = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     router_skew: Any = 0.0  # >= 0; 0 = HF router; > 0 biases logits toward a few experts per layer (Zipf-like)
     attn_implementation: Any = "sdpa"  # HF's attention; a preset whose family has no sdpa (GPT-OSS's sinks) gets eager
-    # how the weights are stored (moecg.models.weights.FORMATS): full | fp8_block; null: as built (presets, shipped
-    # models: full) or as the checkpoint stores them (model=local: its quantization_config)
+    # how the weights are stored (moecg.models.weights.FORMATS): full | fp8_block | mxfp4; null: as built (presets,
+    # shipped models: full) or as the checkpoint stores them (model=local: its quantization_config)
     weights: Any = None
 
     def resolve(self) -> ModelPlan:
@@ -88,7 +88,15 @@ class ModelConfig:
                             "stores them)")
         if fmt == "fp8_block" and ADAPTERS[family].transposed_experts:
             raise PlanError(f"model.weights=fp8_block: {family} stores its experts transposed ([E, D, 2I]); "
-                            "block-FP8 covers the [E, 2I, D] layout of the other families: use model.weights=full")
+                            "block-FP8 covers the [E, 2I, D] layout of the other families: use model.weights=full "
+                            "or mxfp4")
+        if fmt == "mxfp4":
+            dims = {"hidden_size": config.hidden_size, "expert intermediate size":
+                    ADAPTERS[family].expert_intermediate(config)}
+            for what, n in dims.items():
+                if n % MX_BLOCK:
+                    raise PlanError(f"model.weights=mxfp4: the {what} ({n}) is not a multiple of {MX_BLOCK}, the "
+                                    "values one mxfp4 scale covers: use model.weights=full or fp8_block")
         return fmt
 
 

@@ -137,6 +137,10 @@ class FamilyAdapter:
     def top_k(self, config) -> int:
         return config.num_experts_per_tok
 
+    def expert_intermediate(self, config) -> int:
+        """I, a routed expert's intermediate size (moe_intermediate_size where the family has a dense one beside it)."""
+        return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+
     def head_dim(self, config) -> int:
         """Per-head size of q and k as the family's attention module computes it (MLA: qk_nope + qk_rope, the size the
         softmax scale is taken of; its V heads are v_head_dim)."""

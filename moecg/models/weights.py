@@ -16,6 +16,17 @@ In memory (moecg's layout, read by every path):
 - a quantized nn.Linear becomes `Fp8Linear` (`weight` e4m3 [N, K], `weight_scale_inv` [ceil(N/128), ceil(K/128)]).
 The reference dequantizes in fp32 and rounds once to the model dtype: `(q.float() * scale).to(dtype)`; every
 quantized kernel is checked against it. (HF's own FP8 dequantizer multiplies in bf16, rounding the scale first.)
+
+`mxfp4`: the OCP microscaling format GPT-OSS publishes its experts in (`quantization_config: {quant_method: mxfp4}`):
+e2m1 values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), two per byte, and one e8m0 scale (2^(s - 127)) per 32
+consecutive values of a weight row (along the input dim K). What is quantized, as GPT-OSS does: the routed experts
+only; attention, shared experts, dense MLPs, routers, embeddings and the LM head stay in the model dtype. Every family
+can be stored so (K, the hidden and the expert intermediate size, a multiple of 32).
+In memory an experts module keeps its parameter names, now uint8 and output-row major whatever the module's own
+layout: `gate_up_proj` [E, 2I, D/2] (GPT-OSS: its 2I interleaved gate/up rows, as published) and `down_proj`
+[E, D, I/2], with `gate_up_proj_scales` [E, 2I, D/32] and `down_proj_scales` [E, D, I/32] beside them. The
+reference looks each nibble up (low nibble: the even column), multiplies by its scale in fp32 and rounds once to the
+model dtype (exact: an e2m1 value times a power of two is a bf16 value, as HF's dequantizer computes it).
 """
 from __future__ import annotations
 
@@ -31,12 +42,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.integrations.moe import ExpertsInterface
 
-FORMATS = ("full", "fp8_block")  # the `model.weights` values
+FORMATS = ("full", "fp8_block", "mxfp4")  # the `model.weights` values
 BLOCK = 128  # the published block edge, both dims
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3 value
 SCALE = "_scale_inv"  # the published suffix of a weight's scales (`<weight name>_scale_inv`)
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the fused experts' quantized parameters
+MX_BLOCK = 32  # values per mxfp4 scale, along K
+MX_SCALES = "_scales"  # the published suffix of an mxfp4 weight's scales (its values: `<name>_blocks`)
+MX_BIAS = 127  # e8m0: scale byte s is 2^(s - 127)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 codes
 
 
 class WeightFormatError(ValueError):
@@ -62,6 +77,61 @@ class BlockFp8:
 
     def stored_bytes(self) -> int:
         return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+@dataclass(frozen=True)
+class Mxfp4:
+    """One mxfp4 weight as a kernel reads it: q [..., N, K/2] uint8 (two e2m1 codes per byte, the low nibble the even
+    column), scale [..., N, K/32] uint8 (e8m0), N the output rows; dequantized into `dtype`. transposed: the module
+    holds the dense weight as [..., K, N] (GPT-OSS's experts), so dense() returns that layout."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+    transposed: bool = False
+
+    def dense(self) -> torch.Tensor:
+        w = mx_dequantize(self.q, self.scale, self.dtype)
+        return w.transpose(-1, -2) if self.transposed else w
+
+    def stored_bytes(self) -> int:
+        return self.q.numel() + self.scale.numel()
+
+
+QUANTIZED = (BlockFp8, Mxfp4)  # the stored forms of a quantized weight
+
+
+def mx_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] (K a multiple of 32) -> (q [..., N, K/2] uint8, scale [..., N, K/32] uint8): per 32 values of a
+    row the smallest power of two 2^e with amax <= 6 * 2^e (no value clipped; an all-zero block gets 2^0; e at
+    least -126), each value / 2^e rounded to the nearest e2m1 value, ties to the even code."""
+    *lead, N, K = w.shape
+    if K % MX_BLOCK:
+        raise WeightFormatError(f"model.weights=mxfp4: a weight's input dim ({K}) is not a multiple of {MX_BLOCK}")
+    b = w.float().contiguous().view(*lead, N, K // MX_BLOCK, MX_BLOCK)
+    amax = b.abs().amax(-1)
+    _, e = torch.frexp(amax / 6)  # amax / 6 < 2^e: e is the exponent, give or take one; fixed below, exactly
+    e = e.to(torch.int32)
+    e = torch.where(amax > 6 * torch.ldexp(torch.ones_like(amax), e), e + 1, e)
+    e = torch.where(amax <= 6 * torch.ldexp(torch.ones_like(amax), e - 1), e - 1, e)
+    e = torch.where(amax > 0, e, torch.zeros_like(e)).clamp(1 - MX_BIAS, 254 - MX_BIAS)
+    x = b / torch.ldexp(torch.ones_like(amax), e)[..., None]
+    mag = x.abs().clamp(max=6.0)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=w.device)
+    code = torch.bucketize(mag, mids)  # a tie (mag on a midpoint) gets the lower code: up to the even one
+    tie = (code < 7) & (mag == mids[code.clamp(max=6)]) & (code % 2 == 1)
+    code = (code + tie.to(code.dtype)) | torch.where(x < 0, 8, 0)
+    code = code.to(torch.uint8).reshape(*lead, N, K)
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous(), (e + MX_BIAS).to(torch.uint8).contiguous()
+
+
+def mx_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The reference: q [..., N, K/2] uint8, scale [..., N, K/32] uint8 -> [..., N, K] in dtype (each e2m1 value
+    times 2^(s - 127) in fp32, rounded once)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=q.device)
+    v = torch.stack([lut[(q & 15).long()], lut[(q >> 4).long()]], dim=-1).flatten(-2)  # [..., N, K]
+    s = torch.ldexp(torch.ones_like(scale, dtype=torch.float32), scale.to(torch.int32) - MX_BIAS)
+    return (v.unflatten(-1, (-1, MX_BLOCK)) * s[..., None]).flatten(-2).to(dtype)
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,19 +217,27 @@ class Fp8Linear(nn.Module):
 
 
 def stored(module: nn.Module, name: str = "weight"):
-    """A module's weight as stored: a tensor in the model dtype, or a BlockFp8 (an Fp8Linear's weight, a quantized
-    experts module's `gate_up_proj` / `down_proj`)."""
+    """A module's weight as stored: a tensor in the model dtype, a BlockFp8 (an Fp8Linear's weight, a block-FP8
+    experts module's `gate_up_proj` / `down_proj`) or an Mxfp4 (an mxfp4 experts module's)."""
     if isinstance(module, Fp8Linear) and name == "weight":
         return module.stored()
-    rows = getattr(module, "_moecg_scale_rows", {}).get(name)
-    if rows is not None:
-        return BlockFp8(getattr(module, name), getattr(module, name + SCALE), rows, module._moecg_dtype)
-    return getattr(module, name)
+    how = getattr(module, "_moecg_quant", {}).get(name)
+    if how is None:
+        return getattr(module, name)
+    if how == "mxfp4":
+        return Mxfp4(getattr(module, name), getattr(module, name + MX_SCALES), module._moecg_dtype,
+                     bool(getattr(module, "is_transposed", False)))
+    return BlockFp8(getattr(module, name), getattr(module, name + SCALE), how, module._moecg_dtype)
+
+
+def scale_name(module: nn.Module, name: str) -> str:
+    """The attribute holding a quantized parameter's scales (`<name>_scale_inv` or `<name>_scales`)."""
+    return name + (MX_SCALES if module._moecg_quant[name] == "mxfp4" else SCALE)
 
 
 def dense(w) -> torch.Tensor:
-    """A stored weight in the model dtype (BlockFp8 dequantized by the reference, a tensor as it is)."""
-    return w.dense() if isinstance(w, BlockFp8) else w
+    """A stored weight in the model dtype (BlockFp8 / Mxfp4 dequantized by the reference, a tensor as it is)."""
+    return w.dense() if isinstance(w, QUANTIZED) else w
 
 
 def compute_dtype(experts: nn.Module) -> torch.dtype:
@@ -167,20 +245,34 @@ def compute_dtype(experts: nn.Module) -> torch.dtype:
     return getattr(experts, "_moecg_dtype", None) or experts.gate_up_proj.dtype
 
 
-def quantize_experts(experts: nn.Module, quantizer=quantize) -> None:
-    """An HF fused experts module's gate_up_proj / down_proj -> e4m3 parameters + `<name>_scale_inv` (in place).
-    gate and up are quantized as their own [I, D] weights (the published per-expert layout), then fused."""
-    if getattr(experts, "is_transposed", False):
+def quantize_experts(experts: nn.Module, fmt: str = "fp8_block", values: bool = True) -> None:
+    """An HF fused experts module's gate_up_proj / down_proj -> the format's parameters (in place): fp8_block, e4m3
+    values + `<name>_scale_inv` (gate and up quantized as their own [I, D] weights, the published per-expert layout,
+    then fused); mxfp4, packed e2m1 + `<name>_scales`, output-row major. values=False: zeros (placeholder)."""
+    transposed = bool(getattr(experts, "is_transposed", False))
+    if fmt == "fp8_block" and transposed:
         raise WeightFormatError(f"model.weights=fp8_block: {type(experts).__name__} stores its experts transposed "
                                 "([E, D, 2I], GPT-OSS); block-FP8 covers the [E, 2I, D] layout: use "
-                                "model.weights=full for this family")
+                                "model.weights=full or mxfp4 for this family")
     experts._moecg_dtype = experts.gate_up_proj.dtype
-    experts._moecg_scale_rows = {}
+    experts._moecg_quant = {}
     for name, parts in (("gate_up_proj", 2), ("down_proj", 1)):  # [E, 2I, D] gate | up, [E, D, I]
-        w = quantize_stacked(getattr(experts, name).detach(), parts, quantizer=quantizer)
-        setattr(experts, name, nn.Parameter(w.q, requires_grad=False))
-        setattr(experts, name + SCALE, nn.Parameter(w.scale, requires_grad=False))
-        experts._moecg_scale_rows[name] = w.rows
+        w = getattr(experts, name).detach()
+        if fmt == "mxfp4":
+            w = w.transpose(-1, -2) if transposed else w  # [E, N, K]: scales run along a row's K
+            if values:
+                q, sc = mx_quantize(w)
+            else:
+                *lead, N, K = w.shape
+                q = torch.zeros(*lead, N, K // 2, dtype=torch.uint8, device=w.device)
+                sc = torch.zeros(*lead, N, K // MX_BLOCK, dtype=torch.uint8, device=w.device)
+            experts._moecg_quant[name] = "mxfp4"
+        else:
+            b = quantize_stacked(w, parts, quantizer=quantize if values else placeholder)
+            q, sc = b.q, b.scale
+            experts._moecg_quant[name] = b.rows
+        setattr(experts, name, nn.Parameter(q, requires_grad=False))
+        setattr(experts, scale_name(experts, name), nn.Parameter(sc, requires_grad=False))
 
 
 def quantized_linears(model, adapter) -> list[tuple[nn.Module, str]]:
@@ -216,17 +308,18 @@ def quantize_model(model, adapter, fmt: str, values: bool = True) -> None:
     tensors only, zeros (placeholder), for a checkpoint to fill (load_checkpoint)."""
     if fmt == "full":
         return
-    if fmt != "fp8_block":
+    if fmt not in FORMATS:
         raise WeightFormatError(f"model.weights={fmt!r}: choose one of {', '.join(FORMATS)}")
-    quantizer = quantize if values else placeholder
     base = model.config._experts_implementation
     moe = adapter.moe_layers(model)
     with torch.no_grad():
         for _, experts in moe:
-            quantize_experts(experts, quantizer)
+            quantize_experts(experts, fmt, values)
             experts._moecg_base_impl = base
-        for parent, name in quantized_linears(model, adapter):
-            setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name), quantizer))
+        if fmt == "fp8_block":  # mxfp4 quantizes the routed experts only, as GPT-OSS publishes them
+            quantizer = quantize if values else placeholder
+            for parent, name in quantized_linears(model, adapter):
+                setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name), quantizer))
     if moe and base != DEQUANTIZING:
         model.set_experts_implementation(DEQUANTIZING)
     model._moecg_weights = fmt
@@ -237,15 +330,15 @@ def dequantize_model(model, adapter) -> None:
     computes what the quantized one does with plain modules (the reference every quantized path is held to)."""
     with torch.no_grad():
         for _, experts in adapter.moe_layers(model):
-            rows = getattr(experts, "_moecg_scale_rows", None)
-            if not rows:
+            quant = getattr(experts, "_moecg_quant", None)
+            if not quant:
                 continue
-            for name in list(rows):
+            for name in list(quant):
                 w = stored(experts, name).dense()
-                delattr(experts, name + SCALE)
+                delattr(experts, scale_name(experts, name))
                 setattr(experts, name, nn.Parameter(w, requires_grad=False))
             base = experts._moecg_base_impl
-            del experts._moecg_scale_rows, experts._moecg_dtype, experts._moecg_base_impl
+            del experts._moecg_quant, experts._moecg_dtype, experts._moecg_base_impl
             if model.config._experts_implementation == DEQUANTIZING:
                 model.set_experts_implementation(base)
         for parent in list(model.modules()):
@@ -269,13 +362,13 @@ def dequantized(experts: nn.Module):
     """Inside: the experts module's quantized parameters replaced by their dequantized values (the reference), for
     code that reads the parameters itself (HF's own experts loop); restored on exit. Not graph-safe (the loop it
     serves is not either)."""
-    rows = getattr(experts, "_moecg_scale_rows", None)
-    if not rows:
+    quant = getattr(experts, "_moecg_quant", None)
+    if not quant:
         yield experts
         return
-    saved = {name: experts._parameters[name] for name in rows}
+    saved = {name: experts._parameters[name] for name in quant}
     try:
-        for name in rows:
+        for name in quant:
             experts._parameters[name] = nn.Parameter(stored(experts, name).dense(), requires_grad=False)
         yield experts
     finally:
@@ -290,6 +383,8 @@ def weight_bytes(model: nn.Module) -> int:
 # ------------------------------------------------------------------------------------------------------------
 # checkpoints in the published layout (HF's per-expert tensor names, `<weight>_scale_inv` beside each e4m3 weight)
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+MX_CONFIG = {"quant_method": "mxfp4"}  # GPT-OSS's (its modules_to_not_convert: what is not quantized, read as such)
+MX_KEYS = ("quant_method", "modules_to_not_convert")
 
 
 def checkpoint_format(config) -> str:
@@ -299,9 +394,17 @@ def checkpoint_format(config) -> str:
         return "full"
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
+    if method == "mxfp4":
+        unknown = sorted(set(qc) - set(MX_KEYS))
+        if unknown:
+            raise WeightFormatError(f"quantization_config.{unknown[0]}={qc[unknown[0]]!r}: moecg's mxfp4 format is "
+                                    "GPT-OSS's (e2m1 experts, one e8m0 scale per 32 values; keys "
+                                    f"{', '.join(MX_KEYS)}): remove the key or dequantize the checkpoint to bf16")
+        return "mxfp4"
     if method != "fp8":
         raise WeightFormatError(f"quantization_config.quant_method={method!r}: moecg reads fp8 (block-scaled e4m3, "
-                                "the DeepSeek-V3 / Qwen3 FP8 releases) checkpoints; dequantize this one to bf16 first")
+                                "the DeepSeek-V3 / Qwen3 FP8 releases) and mxfp4 (GPT-OSS) checkpoints; dequantize "
+                                "this one to bf16 first")
     for key in ("fmt", "activation_scheme", "weight_block_size"):
         if key in qc and qc[key] is not None and qc[key] != QUANT_CONFIG[key]:
             raise WeightFormatError(f"quantization_config.{key}={qc[key]!r}: moecg's fp8_block format is "
@@ -319,8 +422,21 @@ def _quantized_params(model) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]
         prefix = f"{mname}." if mname else ""
         if isinstance(module, Fp8Linear):
             out[prefix + "weight"] = (module.weight, module.weight_scale_inv, BLOCK)
-        for name, rows in getattr(module, "_moecg_scale_rows", {}).items():
-            out[prefix + name] = (getattr(module, name), getattr(module, name + SCALE), rows)
+        for name, rows in getattr(module, "_moecg_quant", {}).items():
+            if rows != "mxfp4":
+                out[prefix + name] = (getattr(module, name), getattr(module, name + SCALE), rows)
+    return out
+
+
+def _mx_params(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """state_dict name of every mxfp4 weight -> (values [..., N, K/2], scales [..., N, K/32]), published under their
+    own names as GPT-OSS does: `<name>_blocks` [..., N, K/32, 16] and `<name>_scales` (whatever the family)."""
+    out = {}
+    for mname, module in model.named_modules():
+        prefix = f"{mname}." if mname else ""
+        for name, how in getattr(module, "_moecg_quant", {}).items():
+            if how == "mxfp4":
+                out[prefix + name] = (getattr(module, name), getattr(module, name + MX_SCALES))
     return out
 
 
@@ -362,15 +478,20 @@ def _scale_index(weight, scale, g, rows, lead) -> tuple[torch.Tensor, torch.Tens
 
 
 def _state(model) -> dict:
+    """The model's state_dict (a tied weight once), the mxfp4 weights and their scales left out: they are published
+    under their own names (_mx_params), not through HF's conversion."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    return remove_tied_weights_from_state_dict(model.state_dict(), model)
+    mx = _mx_params(model)
+    skip = set(mx) | {n + MX_SCALES for n in mx}
+    return {k: v for k, v in remove_tied_weights_from_state_dict(model.state_dict(), model).items() if k not in skip}
 
 
 def save_checkpoint(model, path: str) -> None:
     """Write `model` (any weight format) as a checkpoint in the published layout: HF's per-expert tensor names, and for
     fp8_block the e4m3 weights with `<name>_scale_inv` beside each (one fp32 scale per 128 x 128 block of that
-    tensor) and the published `quantization_config`. model=local reads it back (load_checkpoint)."""
+    tensor), for mxfp4 GPT-OSS's `<experts>.<name>_blocks` / `_scales`, with the published `quantization_config`.
+    model=local reads it back (load_checkpoint)."""
     from safetensors.torch import save_file
 
     out = Path(path)
@@ -389,10 +510,15 @@ def save_checkpoint(model, path: str) -> None:
             # the tensor's own 128-row blocks: the scale row of every 128th of its rows (g divides 128)
             flat, ids = _scale_index(state[name], scale.detach(), g, rows, lead)
             tensors[pub + SCALE] = flat[ids[..., :: BLOCK // g]].contiguous()
+    for name, (q, scale) in _mx_params(model).items():
+        tensors[name + "_blocks"] = q.detach().reshape(*scale.shape, MX_BLOCK // 2).contiguous()
+        tensors[name + MX_SCALES] = scale.detach().contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = copy.deepcopy(model.config)
     if weight_format(model) == "fp8_block":
         config.quantization_config = dict(QUANT_CONFIG)
+    elif weight_format(model) == "mxfp4":
+        config.quantization_config = dict(MX_CONFIG)
     elif hasattr(config, "quantization_config"):
         del config.quantization_config
     config.save_pretrained(str(out))
@@ -443,6 +569,17 @@ def load_checkpoint(model, path: str) -> None:
                 flat, ids = _scale_index(dst, scale, g, rows, lead)
                 flat[ids.reshape(-1)] = s.repeat_interleave(BLOCK // g, dim=-2)[..., : math.ceil(lead[-1] / g), :] \
                     .reshape(-1, flat.shape[-1])
+        for name, (q, scale) in _mx_params(model).items():
+            for key, dst, want in ((name + "_blocks", q, (*scale.shape, MX_BLOCK // 2)),
+                                   (name + MX_SCALES, scale, tuple(scale.shape))):
+                if key not in where:
+                    raise WeightFormatError(f"model.pretrained_path={path}: no tensor {key} (the mxfp4 experts' "
+                                            "values and scales are published as <name>_blocks and <name>_scales)")
+                src = where[key].get_tensor(key)
+                if tuple(src.shape) != want or src.dtype != torch.uint8:
+                    raise WeightFormatError(f"model.pretrained_path={path}: {key} is {src.dtype} "
+                                            f"{tuple(src.shape)}, the model expects torch.uint8 {want}")
+                dst.copy_(src.reshape(dst.shape))
     missing = sorted(set(state) - filled - {n + SCALE for n in quant})
     if missing:
         raise WeightFormatError(f"model.pretrained_path={path}: the model's {missing[0]} was not in the checkpoint")
