@@ -4,10 +4,12 @@
 
 Rows: the dropless MoE kernels (moe_experts, T 1 and 8), the capacity kernels (every expert read, T 8, cf 1.25) and
 the qkv / o GEMVs (T 1 and 8), each in bf16 with its default tiles (the GEMVs: ops.linear's choice, cuBLAS or the
-table) and in block-FP8 over a grid of tiles. us per call: --copies distinct weight sets cycled inside one CUDA graph
+table) and in block-FP8 over a grid of tiles; the MoE and capacity kernels in mxfp4 too (--formats; mxfp4 quantizes
+the experts only, so it has no GEMV rows). us per call: --copies distinct weight sets cycled inside one CUDA graph
 (so the weights come from HBM, not from L2), median of replays; GB/s: the weight bytes one call must read (the
 experts it hits, values + scales) over that time. Each FP8 output is checked against the dequantize-then-matmul
 reference (max abs error printed).
+GPT-OSS-120B's experts: --hidden 2880 --inter 2880 --experts 128 --top-k 4.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from bench_kernels import graph_time_us  # same directory: one graph of back-to-
 
 from moecg.kernels import ref, triton_ops as tri
 from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles
-from moecg.models.weights import BlockFp8, quantize_stacked
+from moecg.models.weights import BlockFp8, Mxfp4, mx_quantize, quantize_stacked
 from moecg.report import env_fields, write_report
 
 BF = torch.bfloat16
@@ -29,9 +31,9 @@ BF = torch.bfloat16
 
 def nbytes(w, rows=None):
     """Bytes of weight w (or of its rows `rows` of dim 0: the experts hit) as stored."""
-    if isinstance(w, BlockFp8):
+    if isinstance(w, (BlockFp8, Mxfp4)):
         q, s = (w.q, w.scale) if rows is None else (w.q[rows], w.scale[rows])
-        return q.numel() + s.numel() * 4
+        return q.numel() + s.numel() * s.element_size()
     return (w if rows is None else w[rows]).numel() * 2
 
 
@@ -46,10 +48,15 @@ def time_us(fns, replays=20):
         return float("nan")
 
 
-def cases(full, fp8, t0, variants):
-    """(format, weight sets, tiles): bf16 at the table's tiles, block-FP8 over the variants too."""
+def cases(full, quant, t0, variants):
+    """(format, weight sets, tiles): bf16 at the table's tiles, each quantized format over the variants too."""
     yield "bf16", full, [t0]
-    yield "fp8_block", fp8, [t0, *variants]
+    for fmt, sets in quant.items():
+        yield fmt, sets, [t0, *variants]
+
+
+QUANTIZERS = {"fp8_block": lambda w, parts: quantize_stacked(w, parts, BF),
+              "mxfp4": lambda w, parts: Mxfp4(*mx_quantize(w), BF)}
 
 
 def main(argv=None):
@@ -61,6 +68,8 @@ def main(argv=None):
     ap.add_argument("--qkv", type=int, default=5120, help="rows of the fused qkv projection")
     ap.add_argument("--o-in", type=int, default=4096, help="inner dim of the o projection")
     ap.add_argument("--copies", type=int, default=6)
+    ap.add_argument("--formats", nargs="+", default=["fp8_block", "mxfp4"], choices=sorted(QUANTIZERS))
+    ap.add_argument("--skip-gemv", action="store_true", help="the MoE rows only")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -79,7 +88,7 @@ def main(argv=None):
     # -- MoE ------------------------------------------------------------------------------------------------------
     full = [(torch.randn(E, 2 * I, D, device="cuda", generator=g).to(BF) * 0.02,
              torch.randn(E, D, I, device="cuda", generator=g).to(BF) * 0.02) for _ in range(C)]
-    fp8 = [(quantize_stacked(gu.float(), 2, BF), quantize_stacked(dn.float(), 1, BF)) for gu, dn in full]
+    quant = {f: [(QUANTIZERS[f](gu.float(), 2), QUANTIZERS[f](dn.float(), 1)) for gu, dn in full] for f in args.formats}
     variants = [MoeTiles(up_k=256, down_k=256, stages=3), MoeTiles(stages=6), MoeTiles(stages=3),
                 MoeTiles(up_n=128, down_n=128, stages=3), MoeTiles(up_n=32, down_n=32, stages=6),
                 MoeTiles(up_k=64, down_k=64, stages=8), MoeTiles(warps=8), MoeTiles(up_k=256, down_k=256, warps=8,
@@ -91,7 +100,7 @@ def main(argv=None):
         w = torch.rand(T, K, device="cuda", generator=g).to(BF)
         hit = idx.unique().long()
         t0 = moe_tiles(T, D, I, E)
-        for fmt, sets, tile_set in cases(full, fp8, t0, variants):
+        for fmt, sets, tile_set in cases(full, quant, t0, variants):
             gb = nbytes(sets[0][0], hit) + nbytes(sets[0][1], hit)
             for t in tile_set:
                 t = MoeTiles(**{**t.__dict__, "down_split": t0.down_split})
@@ -102,16 +111,17 @@ def main(argv=None):
                 row("moe_experts", T, fmt, t, us, gb, err)
         # capacity: every expert's weights once
         if T == 8:
-            for fmt, sets, tile_set in cases(full, fp8, t0, variants):
+            for fmt, sets, tile_set in cases(full, quant, t0, variants):
                 gb = nbytes(sets[0][0]) + nbytes(sets[0][1])
                 for t in tile_set:
                     fns = [lambda gu=gu, dn=dn, t=t: tri.capacity_experts(x, idx, w, gu, dn, capacity_factor=1.25,
                                                                           tiles=t) for gu, dn in sets[:3]]
                     row("capacity_experts", T, fmt, t, time_us(fns), gb)
-    del full, fp8
+    del full, quant
     torch.cuda.empty_cache()
     # -- GEMVs ----------------------------------------------------------------------------------------------------
-    for name, N, Kd in (("qkv", args.qkv, D), ("o", D, args.o_in)):
+    for name, N, Kd in () if args.skip_gemv or "fp8_block" not in args.formats else (("qkv", args.qkv, D),
+                                                                                    ("o", D, args.o_in)):
         ws = [torch.randn(N, Kd, device="cuda", generator=g).to(BF) * 0.02 for _ in range(C * 4)]
         qs = [quantize_stacked(wi.float(), 1, BF) for wi in ws]
         grid = [GemvTiles(bn, bk, wp, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for wp in (4, 8)

@@ -360,7 +360,7 @@ def test_dense_prefix_must_leave_a_moe_layer():
 # -- real shapes -------------------------------------------------------------------------------------------------
 # published sizes (total, active per token; billions) of the checkpoint each preset mirrors
 PUBLISHED = {"deepseek_v3": (671, 37), "kimi_k2": (1040, 32), "glm4_5_air": (106, 12), "deepseek_v2_lite": (15.7, 2.4),
-             "olmoe_1b_7b": (6.9, 1.3), "gpt_oss_20b": (21, 3.6)}
+             "olmoe_1b_7b": (6.9, 1.3), "gpt_oss_20b": (21, 3.6), "gpt_oss_120b": (116.8, 5.1)}
 
 
 @pytest.mark.parametrize("preset", list(PUBLISHED))

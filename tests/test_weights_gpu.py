@@ -1,4 +1,4 @@
-"""Block-FP8 weights on a real GPU (bf16 activations): each quantized Triton kernel against the same kernel on the
+"""Block-FP8 and mxfp4 weights on a real GPU (bf16 activations): each quantized Triton kernel against the same kernel on the
 reference-dequantized weights (the same operands; on the GPU the MMAs may sum them in another order, so within bf16
 rounding, where the interpreter test asserts the bits) and against the PyTorch dequantize-then-matmul reference;
 whole models captured on the fused step against HF's modules on the same quantized model.
@@ -21,7 +21,7 @@ from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import GemvTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
-from moecg.models.weights import quantize_stacked  # noqa: E402
+from moecg.models.weights import Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
 
 BF = torch.bfloat16
 
@@ -58,6 +58,21 @@ def test_fp8_moe_kernels_are_the_dequantized_kernels(shape, T):
         _moe_checks(x, idx, w, gate_up, down, tiles)
 
 
+@pytest.mark.parametrize("T", [1, 8, 32])
+@pytest.mark.parametrize("shape", [(2048, 768, 128, 8), (2880, 2880, 32, 4)])  # Qwen3-30B-A3B, GPT-OSS-20B's dims
+def test_mxfp4_moe_kernels_are_the_dequantized_kernels(shape, T):
+    D, I, E, K = shape
+    g = torch.Generator(device="cuda").manual_seed(T)
+    gate_up = Mxfp4(*mx_quantize(torch.randn(E, 2 * I, D, device="cuda", generator=g) * 0.02), BF)
+    down = Mxfp4(*mx_quantize(torch.randn(E, D, I, device="cuda", generator=g) * 0.02), BF)
+    x = torch.randn(T, D, device="cuda", generator=g).to(BF)
+    idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
+    w = torch.rand(T, K, device="cuda", generator=g).to(BF)
+    t = moe_tiles(T, D, I, E)
+    for tiles in (t, replace(t, up_k=256, down_k=256, stages=3), replace(t, up_k=32, down_k=32)):
+        _moe_checks(x, idx, w, gate_up, down, tiles)
+
+
 def _moe_checks(x, idx, w, gate_up, down, tiles):
     got = tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles)
     _close(got, tri.moe_experts(x, idx, w, gate_up.dense(), down.dense(), tiles=tiles), 1e-2)
@@ -69,12 +84,14 @@ def _moe_checks(x, idx, w, gate_up, down, tiles):
         _close(got, ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf))
 
 
-@pytest.mark.parametrize("preset", ["qwen3_moe_tiny", "qwen2_moe_tiny", "deepseek_v3_tiny", "glm4_moe_tiny"])
-def test_fp8_fused_full_capture_matches_hf_on_the_same_weights(preset):
+@pytest.mark.parametrize("preset,weights", [(p, "fp8_block") for p in ("qwen3_moe_tiny", "qwen2_moe_tiny",
+                                                                         "deepseek_v3_tiny", "glm4_moe_tiny")] +
+                         [(p, "mxfp4") for p in ("gpt_oss_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny")])
+def test_quantized_fused_full_capture_matches_hf_on_the_same_weights(preset, weights):
     """The quantized model captured on the fused step (its kernels reading e4m3 + scales), teacher-forced against
     HF's modules on the same model (dequantizing experts and linears): the same greedy tokens nearly everywhere,
     every real token routed K times per layer."""
-    m = build_model(preset, dtype="bf16", device="cuda", seed=1, weights="fp8_block").model
+    m = build_model(preset, dtype="bf16", device="cuda", seed=1, weights=weights).model
     prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
     attach(m, make_dispatcher("dropless"), max_rows=8)
     r_ref = DecodeEngine(m, 64, 8).generate(prompts, 16, keep_logits=True, timing=False)
@@ -89,7 +106,7 @@ def test_fp8_fused_full_capture_matches_hf_on_the_same_weights(preset):
         s = state_of(m).snapshot()
         agree = float((r.tokens == r_ref.tokens).float().mean())
         diff = max(float((a - c).abs().max()) for a, c in zip(r.logits, r_ref.logits))
-        print(f"{preset} fp8_block {disp}: forced agreement {agree:.3f}, max logit diff {diff:.4f}")
+        print(f"{preset} {weights} {disp}: forced agreement {agree:.3f}, max logit diff {diff:.4f}")
         assert s["tokens"] == s_ref["tokens"]
         if disp == "fused":
             assert agree >= 0.95 and s["routed_assignments"] == s_ref["routed_assignments"]

@@ -1,9 +1,11 @@
-"""Run by tests/test_weights.py under TRITON_INTERPRET=1: the Triton kernels on block-FP8 weights (moecg.models.weights)
-on CPU tensors (fp32 activations). Each quantized kernel must give exactly what the same kernel gives on the
+"""Run by tests/test_weights.py under TRITON_INTERPRET=1: the Triton kernels on block-FP8 and mxfp4 weights
+(moecg.models.weights) on CPU tensors (fp32 activations). Each quantized kernel must give exactly what the same kernel gives on the
 reference-dequantized weights (it dequantizes in registers as the reference does, then runs the same tl.dot), and
 match the PyTorch dequantize-then-matmul reference within 1e-4: the GEMV (any T, bias, scale groups of 128 and of
 fewer rows), the dropless MoE kernels (expert and slot grids, split-K down, pad rows, counters) and the capacity
-kernels. Prints ALL OK when every check passes; any mismatch raises.
+kernels; the same MoE and capacity kernels on mxfp4 experts (K steps of one and of several 32-column scale groups,
+a ragged last one) and GPT-OSS's transposed, biased, interleaved experts in mxfp4 through the whole fused step.
+Prints ALL OK when every check passes; any mismatch raises.
 Dims: T tokens, K top-k, E experts, D hidden, I expert intermediate, N/K a projection's.
 """
 import os
@@ -17,7 +19,7 @@ from moecg.dispatch.base import Dispatcher  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import GemvTiles, MoeTiles  # noqa: E402
-from moecg.models.weights import BLOCK, quantize_stacked  # noqa: E402
+from moecg.models.weights import BLOCK, Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
 
 from moecg.models import build_model  # noqa: E402
 
@@ -81,6 +83,38 @@ for T, K, cf in ((6, 2, 0.5), (3, 2, 1.0)):
     same = tri.capacity_experts(x, idx, w, gate_up.dense(), down.dense(), capacity_factor=cf, tiles=tiles)
     assert torch.equal(got, same), (T, K, cf)
     close(got, ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf), 1e-4)
+
+# the same kernels on mxfp4 experts: D = 320 (K steps of 32 and 64 end inside it, 256 with a ragged last block),
+# I = 96 (three scale groups), every e2m1 code and a spread of scales
+def mx(w):
+    return Mxfp4(*mx_quantize(w), torch.float32)
+
+
+gate_up = mx(torch.randn(E, 2 * I, D) * torch.logspace(-2, 0, D))
+down = mx(torch.randn(E, D, I) * 0.1)
+for T, K, grid, split, up_k, down_k in ((1, 2, "slot", 2, 16, 32), (4, 2, "expert", 1, 64, 128),
+                                        (9, 3, "auto", 3, 256, 64)):
+    x = torch.randn(T, D)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    valid = torch.tensor([1, 1, 0, 1]) != 0 if T == 4 else None
+    got = tri.moe_experts(x, idx, w, gate_up, down, valid, grid=grid, tiles=MoeTiles(
+        block_m=16, up_n=32, up_k=up_k, down_n=64, down_k=down_k, down_split=split))
+    same = tri.moe_experts(x, idx, w, gate_up.dense(), down.dense(), valid, grid=grid, tiles=MoeTiles(
+        block_m=16, up_n=32, up_k=max(up_k, 32), down_n=64, down_k=down_k, down_split=split))  # K steps of 32 at least
+    assert torch.equal(got, same), (T, K, grid)
+    close(got, ref.moe_experts(x, idx, w, gate_up, down, valid), 1e-4)
+for T, K, cf in ((6, 2, 0.5), (3, 2, 1.0)):
+    x = torch.randn(T, D)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    tiles = MoeTiles(block_m=16, up_n=32, up_k=64, down_n=64, down_k=256)
+    got = tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf, tiles=tiles)
+    assert torch.equal(got, tri.capacity_experts(x, idx, w, gate_up.dense(), down.dense(), capacity_factor=cf,
+                                                 tiles=tiles)), (T, K, cf)
+    close(got, ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf), 1e-4)
+model = build_model("gpt_oss_tiny", dtype="fp32", device="cpu", seed=4, weights="mxfp4").model
+fused_backends_agree(model, torch.randint(0, 100, (2, 5)), 16, 3, "gpt_oss_tiny mxfp4")
 
 # whole models on block-FP8 weights: the fused step on the Triton ops against the same step on the torch ops
 # (shared experts as their own FP8 GEMV, MLA's fused projections, dense first layers; standard attention's fused

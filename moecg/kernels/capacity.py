@@ -156,7 +156,7 @@ def _cap_up_kernel(x_ptr, valid_ptr, w_ptr, b_ptr, h_ptr, slot_ptr, nk_ptr, keep
                    K: tl.constexpr, KP: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr,
                    JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                   ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr):
+                   ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
     e = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
@@ -179,7 +179,7 @@ def _cap_up_kernel(x_ptr, valid_ptr, w_ptr, b_ptr, h_ptr, slot_ptr, nk_ptr, keep
         dt = h_ptr.dtype.element_ty
         hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
                              limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
-                             QROWS)
+                             QROWS, MX)
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
@@ -187,7 +187,7 @@ def _cap_up_kernel(x_ptr, valid_ptr, w_ptr, b_ptr, h_ptr, slot_ptr, nk_ptr, keep
 def _cap_down_kernel(h_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, nk_ptr, keep_ptr,
                      C, D, I, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, KP: tl.constexpr,
                      RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
     e = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
@@ -195,7 +195,7 @@ def _cap_down_kernel(h_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, nk_ptr, keep_
     if (mb == 0) | (n_kept > mb * BLOCK_M):
         o, n, nm = down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
                               h_ptr.dtype.element_ty, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
-                              QROWS)
+                              QROWS, MX)
         tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         if RENORM:  # rescaled to the token's original total over its kept assignments, from the keep flags
             k = tl.arange(0, KP)

@@ -16,8 +16,8 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
-from moecg.kernels.quant import check_block_k, dequant_tile
-from moecg.models.weights import BlockFp8
+from moecg.kernels.quant import check_block_k, check_mx_k, dequant_tile, mx_tile
+from moecg.models.weights import BlockFp8, Mxfp4
 
 
 # dropless MoE for small token counts (decode): grid (expert, row block, column block). Each program finds the
@@ -54,11 +54,13 @@ def _rows_for(idx_ptr, valid_ptr, e, mb, S, K: tl.constexpr, HAS_VALID: tl.const
 def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha, limit,
              dt: tl.constexpr, K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr,
              ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr):
+             ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
     """act(gate, up) of assignments `rows` [BLOCK_M] (token = row // K) for expert e's columns block nb
     -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask).
     QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.weights), each tile
-    dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot."""
+    dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot.
+    MX: the weights are mxfp4, packed [E, 2I, D / 2] (s_wk: a byte's stride) with scales ws [E, 2I, D / 32]
+    (moecg.kernels.quant.mx_tile)."""
     tok = rows // K
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
@@ -68,16 +70,20 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
     ju = n * JM + JU
     wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
     wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
+    sb = ws_ptr + e.to(tl.int64) * s_se
     for k0 in range(0, D, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < D
         x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-        u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-        if QROWS:
-            sb = ws_ptr + e.to(tl.int64) * s_se
-            g = dequant_tile(g, sb + (jg // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
-            u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
+        if MX:
+            g = mx_tile(wg, sb + jg * s_sj, k0, D, s_wk, s_sk, nm, dt, BLOCK_N, BLOCK_K)
+            u = mx_tile(wu, sb + ju * s_sj, k0, D, s_wk, s_sk, nm, dt, BLOCK_N, BLOCK_K)
+        else:
+            g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+            u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+            if QROWS:
+                g = dequant_tile(g, sb + (jg // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
+                u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
         acc_g = tl.dot(x, tl.trans(g), acc_g)
         acc_u = tl.dot(x, tl.trans(u), acc_u)
     g = acc_g.to(dt).to(tl.float32)
@@ -101,9 +107,10 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
 @triton.jit
 def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr):
+              ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
     """The unrounded fp32 down-projection sum over I in [k_lo, k_hi) of h rows `rows` for output columns block nb
-    -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask). QROWS > 0: e4m3 weights, as up_tile's."""
+    -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask). QROWS > 0: e4m3 weights, MX: mxfp4 ones
+    ([E, D, I / 2]), as up_tile's."""
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < D
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -112,10 +119,14 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < k_hi
         h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-        if QROWS:
-            w = dequant_tile(w, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, k_hi, s_sk, nm, h.dtype,
-                             BLOCK_N, BLOCK_K)
+        if MX:
+            w = mx_tile(wd, ws_ptr + e.to(tl.int64) * s_se + n * s_sj, k0, k_hi, s_wk, s_sk, nm, h.dtype, BLOCK_N,
+                        BLOCK_K)
+        else:
+            w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+            if QROWS:
+                w = dequant_tile(w, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, k_hi, s_sk, nm,
+                                 h.dtype, BLOCK_N, BLOCK_K)
         acc = tl.dot(h, tl.trans(w), acc)
     return acc, n, nm
 
@@ -133,11 +144,11 @@ def _down_round(acc, e, n, nm, b_ptr, s_be, dt: tl.constexpr, HAS_BIAS: tl.const
 @triton.jit
 def down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
                dt: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr):
+               BLOCK_K: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
     """Expert e's down projection of h rows `rows` for output columns block nb, rounded (and biased) as HF
     -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask); the caller applies the routing weight."""
     acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
-                           BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS)
+                           BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX)
     return _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS), n, nm
 
 
@@ -168,7 +179,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    K: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr, JM: tl.constexpr,
                    JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                   USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr):
+                   USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     mb = tl.program_id(1)
@@ -200,7 +211,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
         dt = h_ptr.dtype.element_ty
         hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
                              limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
-                             QROWS)
+                             QROWS, MX)
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
@@ -209,7 +220,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                      k_chunk, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, HAS_VALID: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk,
-                     QROWS: tl.constexpr):
+                     QROWS: tl.constexpr, MX: tl.constexpr):
     """SPLIT > 1 (split-K over I, for batch-1 steps whose column blocks alone are too few programs): each of a
     tile's SPLIT programs stores its fp32 partial sum, and the last to finish (a per-tile counter) adds the
     partials in split order, so the result is deterministic and rounded once, as without splits; it then
@@ -233,14 +244,15 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
         dt = h_ptr.dtype.element_ty
         if SPLIT == 1:
             acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS)
+                                   BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX)
             o = _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS)
             tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
         else:
             k_lo = ks * k_chunk
             acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, tl.minimum(k_lo + k_chunk, I),
-                                   s_hs, s_we, s_wn, s_wk, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS)
+                                   s_hs, s_we, s_wn, s_wk, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS,
+                                   MX)
             om = rmask[:, None] & nm[None, :]
             tile_off = rows[:, None] * D + n[None, :]  # part: [SPLIT, S, D] fp32
             tl.store(part_ptr + ks * S * D + tile_off, acc, mask=om)
@@ -258,17 +270,24 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
 
 
 def _scale_args(w, transposed: bool):
-    """(scale kernel arguments: ptr, its three strides, QROWS (0: not quantized) as a dict, the values tensor)."""
+    """(scale kernel arguments: ptr, its three strides, QROWS (block-FP8's rows per scale row; 0: not block-FP8) and
+    MX (mxfp4) as a dict, the values tensor)."""
+    if isinstance(w, Mxfp4):
+        s = w.scale
+        return {"ws_ptr": s, "s_se": s.stride(0), "s_sj": s.stride(1), "s_sk": s.stride(2), "QROWS": 0, "MX": 1}, w.q
     if not isinstance(w, BlockFp8):
-        return {"ws_ptr": w, "s_se": 0, "s_sj": 0, "s_sk": 0, "QROWS": 0}, w
+        return {"ws_ptr": w, "s_se": 0, "s_sj": 0, "s_sk": 0, "QROWS": 0, "MX": 0}, w
     if transposed:
         raise ValueError("block-FP8 experts in the transposed layout ([E, D, 2I]) have no kernel")
     s = w.scale
-    return {"ws_ptr": s, "s_se": s.stride(0), "s_sj": s.stride(1), "s_sk": s.stride(2), "QROWS": w.rows}, w.q
+    return {"ws_ptr": s, "s_se": s.stride(0), "s_sj": s.stride(1), "s_sk": s.stride(2), "QROWS": w.rows, "MX": 0}, w.q
 
 
 def quant_k(block_k: int, scale: dict) -> int:
-    """The K step of a GEMM, checked where its weights are block-FP8 (moecg.kernels.quant.check_block_k)."""
+    """The K step of a GEMM, checked where its weights are block-FP8 (moecg.kernels.quant.check_block_k) and made
+    whole 32-column groups where they are mxfp4 (check_mx_k)."""
+    if scale["MX"]:
+        return check_mx_k(block_k)
     return check_block_k(block_k) if scale["QROWS"] else block_k
 
 
@@ -277,9 +296,14 @@ class ExpertArgs:
 
     def __init__(self, gate_up, down, spec=None, gate_up_bias=None, down_bias=None):
         transposed = spec is not None and spec.transposed
-        # block-FP8 weights (moecg.models.weights.BlockFp8): the kernels read values and scales, (ptr, strides, rows)
+        # block-FP8 weights (moecg.models.weights.BlockFp8): the kernels read values and scales, (ptr, strides, rows);
+        # mxfp4 ones (Mxfp4) are output-row major whatever the module's layout
         self.up_scale, gate_up = _scale_args(gate_up, transposed)
         self.down_scale, down = _scale_args(down, transposed)
+        if self.up_scale["MX"] != self.down_scale["MX"]:
+            raise ValueError("mxfp4 experts: gate_up_proj and down_proj are both mxfp4 or neither")
+        if self.up_scale["MX"]:
+            transposed = False
         self.act = 0 if spec is None or spec.act == "silu" else 1
         if self.act and spec.act != "swiglu_clamp":
             raise ValueError(f"expert activation {spec.act!r}: the MoE kernel knows silu and swiglu_clamp")

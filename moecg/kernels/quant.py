@@ -1,8 +1,12 @@
-"""The block-FP8 weight tile the GEMM kernels dequantize in registers (moecg.models.weights: e4m3 values, one fp32
-scale per QROWS weight rows x 128 columns). Shared by the GEMV (gemv.py) and the MoE kernels (moe.py, capacity.py).
+"""The quantized weight tiles the GEMM kernels dequantize in registers (moecg.models.weights), each as its format's
+reference does (fp32 products rounded once to the compute dtype), so a kernel's tl.dot sees the reference's weights:
+- block-FP8 (dequant_tile): e4m3 values, one fp32 scale per QROWS weight rows x 128 columns. Shared by the GEMV
+  (gemv.py) and the MoE kernels (moe.py, capacity.py).
+- mxfp4 (mx_tile): two e2m1 codes a byte (low nibble: the even column), one e8m0 scale byte per 32 columns of a row.
+  The MoE kernels (moe.py, capacity.py).
 
-Dims: BLOCK_N weight rows of the tile, BLOCK_K columns (a divisor or a multiple of 128), NS = BLOCK_K / 128 scale
-columns a wide tile spans.
+Dims: BLOCK_N weight rows of the tile, BLOCK_K columns (block-FP8: a divisor or a multiple of 128; mxfp4: a multiple
+of 32), NS scale columns a tile spans.
 """
 from __future__ import annotations
 
@@ -32,3 +36,39 @@ def check_block_k(block_k: int) -> int:
     if not (128 % block_k == 0 or block_k % 128 == 0):
         raise ValueError(f"BLOCK_K={block_k}: a block-FP8 GEMM steps by a divisor or a multiple of 128")
     return block_k
+
+
+@triton.jit
+def _e2m1(c):
+    """e2m1 codes (int32, 0..15: sign, 2 exponent bits, 1 mantissa bit) -> their fp32 values, built bit by bit:
+    exponent 0 is 0 or 0.5 (0x3F000000), else 2^(e-1) * (1 + m/2)."""
+    e = (c >> 1) & 3
+    m = c & 1
+    mag = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mx_tile(wrow_ptr, srow_ptr, k0, K, s_wk, s_sk, nmask, dt: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of BLOCK_N mxfp4 weight rows -> [BLOCK_N, BLOCK_K] in dt, as the reference
+    (moecg.models.weights.mx_dequantize). wrow_ptr [BLOCK_N, 1]: each row's packed bytes (stride s_wk a byte pair
+    of columns), srow_ptr [BLOCK_N]: its scale bytes (stride s_sk per 32 columns); columns from K on read as zeros."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    NS: tl.constexpr = BLOCK_K // 32
+    kb = k0 // 2 + tl.arange(0, HALF)
+    b = tl.load(wrow_ptr + kb[None, :] * s_wk, mask=nmask[:, None] & (kb < K // 2)[None, :],
+                other=0).to(tl.int32)
+    v = tl.reshape(tl.join(_e2m1(b & 15), _e2m1(b >> 4)), (BLOCK_N, BLOCK_K))  # column 2j: the low nibble
+    j = k0 // 32 + tl.arange(0, NS)
+    sc = tl.load(srow_ptr[:, None] + j[None, :] * s_sk, mask=nmask[:, None] & (j < K // 32)[None, :],
+                 other=127).to(tl.int32)
+    sf = tl.where(sc == 0, 0x00400000, sc << 23).to(tl.float32, bitcast=True)  # 2^(s - 127); s = 0: 2^-127
+    return tl.reshape(tl.reshape(v, (BLOCK_N, NS, 32)) * sf[:, :, None], (BLOCK_N, BLOCK_K)).to(dt)
+
+
+def check_mx_k(block_k: int) -> int:
+    """An mxfp4 GEMM's K step (a power of two): whole 32-column scale groups, at least one."""
+    if block_k & (block_k - 1):
+        raise ValueError(f"BLOCK_K={block_k}: a GEMM's K step is a power of two")
+    return max(block_k, 32)

@@ -10,8 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from moecg.models.adapter import ADAPTERS, FamilyAdapter, adapter_for
 from moecg.models.skew import apply_router_skew, remove_router_skew
-from moecg.models.weights import (checkpoint_format, dequantize_model, load_checkpoint, quantize_model,
-                                   weight_format)
+from moecg.models.weights import (checkpoint_format, dequantize_model, load_checkpoint, mark_quantized,
+                                   quantize_layer, quantize_model, weight_format)
 from moecg.models.zoo import FAMILIES, PRESETS, family_of_config, make_config
 
 __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "FamilyAdapter", "adapter_for", "apply_router_skew",
@@ -58,15 +58,41 @@ class BuiltModel:
     weights: str = "full"  # the weight format (moecg.models.weights.FORMATS)
 
 
-def _construct(model_cls, config, dt: torch.dtype, dev: torch.device):
-    """The model built on the target device in the target dtype: HF's init then runs there (seconds for 46B on a GPU)."""
+LAYER_SEED = 1_000_003  # layer i of a build seeded `seed` draws its values from seed * LAYER_SEED + i + 1
+
+
+def _construct(model_cls, config, dt: torch.dtype, dev: torch.device, seed: int, weights: str = "full",
+               values: bool = True):
+    """The model built layer by layer on the target device in the target dtype, each decoder layer stored in format
+    `weights` as soon as HF's init has filled it: the peak is the stored model and one layer in the model dtype, so a
+    model whose bf16 weights do not fit (GPT-OSS-120B, GLM-4.5-Air on one H200) builds in its low-precision format.
+    Values: HF's init, the modules outside the decoder layers seeded by `seed`, each layer by its own seed, so a
+    config and seed give the same weights in every format (before it rounds them) and at every depth (a cut model
+    is the whole one's first layers). values=False: no init (a checkpoint fills every tensor)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dt)
     try:
-        with dev:
-            return model_cls(config)
+        with torch.device("meta"):
+            model = model_cls(config)
     finally:
         torch.set_default_dtype(prev)
+    adapter = adapter_for(model)
+    inner = model.model
+    layers = adapter.layers(model)
+    inner.layers = torch.nn.ModuleList()
+    model.to_empty(device=dev)
+    torch.manual_seed(seed)
+    model.initialize_weights()  # marks what it filled: the calls below fill only the layer put in
+    for i, layer in enumerate(layers):
+        layer.to_empty(device=dev)
+        inner.layers = torch.nn.ModuleList([layer])
+        torch.manual_seed(seed * LAYER_SEED + i + 1)
+        model.initialize_weights()
+        quantize_layer(model, adapter, layer, weights, values)
+    inner.layers = layers
+    model.tie_weights()  # to_empty gave the tied weights their own storage
+    mark_quantized(model, adapter, weights)
+    return model
 
 
 def _attn_implementation(model_cls, requested: str) -> str:
@@ -82,7 +108,7 @@ def build_model(preset: str | None = None, *, pretrained_path: str | None = None
                 attn_implementation: str = "sdpa", config_overrides: dict | None = None,
                 weights: str | None = None) -> BuiltModel:
     """Build an HF MoE model in eval mode, weights created directly on `device` in `dtype`, then stored in format
-    `weights` (moecg.models.weights: `full` | `fp8_block`; None: as built or as the checkpoint stores them)."""
+    `weights` (moecg.models.weights.FORMATS; None: as built or as the checkpoint stores them)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
@@ -105,8 +131,7 @@ def build_model(preset: str | None = None, *, pretrained_path: str | None = None
             if num_layers is not None:
                 ckpt.num_hidden_layers = num_layers
             ckpt._attn_implementation = attn
-            model = _construct(model_cls, ckpt, dt, dev)
-            quantize_model(model, adapter_for(model), stored, values=False)  # the checkpoint fills it
+            model = _construct(model_cls, ckpt, dt, dev, seed, stored, values=False)  # the checkpoint fills it
             load_checkpoint(model, pretrained_path)
         name = preset or str(pretrained_path).rstrip("/").split("/")[-1]
     else:
@@ -115,15 +140,14 @@ def build_model(preset: str | None = None, *, pretrained_path: str | None = None
         config = make_config(preset, num_layers, config_overrides)
         _, model_cls = FAMILIES[family_of_config(config)]
         config._attn_implementation = _attn_implementation(model_cls, attn_implementation)
-        model = _construct(model_cls, config, dt, dev)
+        model = _construct(model_cls, config, dt, dev, seed, weights or "full")
         name = preset
     model.eval()
     family = family_of_config(model.config)
-    if weights is not None and weights != stored:
-        if weights == "full":
+    if weights is not None and weights != weight_format(model):
+        if weight_format(model) != "full":
             dequantize_model(model, adapter_for(model))
-        else:
-            quantize_model(model, adapter_for(model), weights)
+        quantize_model(model, adapter_for(model), weights)
     apply_router_skew(model, router_skew, seed)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -90,6 +90,12 @@ class Mxfp4:
     dtype: torch.dtype
     transposed: bool = False
 
+    @property
+    def shape(self):
+        """The dense weight's shape, in the module's layout."""
+        *lead, n, k = (*self.q.shape[:-1], self.q.shape[-1] * 2)
+        return torch.Size((*lead, k, n) if self.transposed else (*lead, n, k))
+
     def dense(self) -> torch.Tensor:
         w = mx_dequantize(self.q, self.scale, self.dtype)
         return w.transpose(-1, -2) if self.transposed else w
@@ -275,18 +281,13 @@ def quantize_experts(experts: nn.Module, fmt: str = "fp8_block", values: bool = 
         setattr(experts, scale_name(experts, name), nn.Parameter(sc, requires_grad=False))
 
 
-def quantized_linears(model, adapter) -> list[tuple[nn.Module, str]]:
-    """(parent module, attribute) of every nn.Linear the format quantizes: those of the decoder layers but the
-    routers and the shared-expert gate."""
-    out = []
-    for layer in adapter.layers(model):
-        block = adapter.moe_block(layer)
-        keep = set() if block is None else {id(getattr(block, adapter.router)), id(adapter.shared_gate_of(layer))}
-        for parent in layer.modules():
-            for name, child in parent.named_children():
-                if type(child) is nn.Linear and id(child) not in keep:
-                    out.append((parent, name))
-    return out
+def quantized_linears(layer: nn.Module, adapter) -> list[tuple[nn.Module, str]]:
+    """(parent module, attribute) of every nn.Linear of a decoder layer that block-FP8 quantizes: all but the router
+    and the shared-expert gate."""
+    block = adapter.moe_block(layer)
+    keep = set() if block is None else {id(getattr(block, adapter.router)), id(adapter.shared_gate_of(layer))}
+    return [(parent, name) for parent in layer.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear and id(child) not in keep]
 
 
 DEQUANTIZING = "moecg_dequantized"  # the ExpertsInterface implementation quantized models run without a dispatcher
@@ -303,26 +304,44 @@ def _dequantizing_forward(self, *args, **kwargs):
 ExpertsInterface.register(DEQUANTIZING, _dequantizing_forward)
 
 
+def check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise WeightFormatError(f"model.weights={fmt!r}: choose one of {', '.join(FORMATS)}")
+
+
+def quantize_layer(model, adapter, layer: nn.Module, fmt: str, values: bool = True) -> None:
+    """Store one decoder layer's weights in format `fmt` (in place): its routed experts, and for fp8_block its linears
+    too (mxfp4 quantizes the routed experts only, as GPT-OSS publishes them). mark_quantized finishes the model."""
+    check_format(fmt)
+    if fmt == "full":
+        return
+    with torch.no_grad():
+        experts = adapter.experts_of(layer)
+        if experts is not None:
+            quantize_experts(experts, fmt, values)
+            experts._moecg_base_impl = model.config._experts_implementation
+        if fmt == "fp8_block":
+            quantizer = quantize if values else placeholder
+            for parent, name in quantized_linears(layer, adapter):
+                setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name), quantizer))
+
+
+def mark_quantized(model, adapter, fmt: str) -> None:
+    """The model level of a quantized model: HF's experts run through the dequantizing implementation."""
+    if fmt != "full" and adapter.moe_layers(model) and model.config._experts_implementation != DEQUANTIZING:
+        model.set_experts_implementation(DEQUANTIZING)
+    model._moecg_weights = fmt
+
+
 def quantize_model(model, adapter, fmt: str, values: bool = True) -> None:
     """Store `model`'s weights in format `fmt` (in place; `full` leaves them as they are). values=False: the format's
     tensors only, zeros (placeholder), for a checkpoint to fill (load_checkpoint)."""
+    check_format(fmt)
     if fmt == "full":
         return
-    if fmt not in FORMATS:
-        raise WeightFormatError(f"model.weights={fmt!r}: choose one of {', '.join(FORMATS)}")
-    base = model.config._experts_implementation
-    moe = adapter.moe_layers(model)
-    with torch.no_grad():
-        for _, experts in moe:
-            quantize_experts(experts, fmt, values)
-            experts._moecg_base_impl = base
-        if fmt == "fp8_block":  # mxfp4 quantizes the routed experts only, as GPT-OSS publishes them
-            quantizer = quantize if values else placeholder
-            for parent, name in quantized_linears(model, adapter):
-                setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name), quantizer))
-    if moe and base != DEQUANTIZING:
-        model.set_experts_implementation(DEQUANTIZING)
-    model._moecg_weights = fmt
+    for layer in adapter.layers(model):
+        quantize_layer(model, adapter, layer, fmt, values)
+    mark_quantized(model, adapter, fmt)
 
 
 def dequantize_model(model, adapter) -> None:

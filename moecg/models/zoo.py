@@ -185,6 +185,16 @@ PRESETS: dict[str, dict] = {
                                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                            "original_max_position_embeddings": 4096},
     ),
+    # openai/gpt-oss-120b (117B, 5.1B active): gpt-oss-20b's layers, 36 of them with 128 experts; fits one H200 only in
+    # its published mxfp4 experts (model.weights=mxfp4: 65 GB)
+    "gpt_oss_120b": dict(
+        family="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4,
+        sliding_window=128, attention_bias=True, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        swiglu_limit=7.0, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                           "original_max_position_embeddings": 4096},
+    ),
     # Byte-level models trained by experiments/train_stdlib.py; the weights ship in moecg/checkpoints/<name>.
     "mixtral_stdlib": dict(
         family="mixtral", vocab_size=256, hidden_size=256, intermediate_size=128, num_hidden_layers=4,
