@@ -16,7 +16,7 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
-from moecg.kernels.quant import check_block_k, check_mx_k, dequant_tile, mx_tile
+from moecg.kernels.quant import check_block_k, check_mx_k, dequant_tile, mx_dot
 from moecg.models.weights import BlockFp8, Mxfp4
 
 
@@ -60,7 +60,7 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
     QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.weights), each tile
     dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot.
     MX: the weights are mxfp4, packed [E, 2I, D / 2] (s_wk: a byte's stride) with scales ws [E, 2I, D / 32]
-    (moecg.kernels.quant.mx_tile)."""
+    (moecg.kernels.quant.mx_dot)."""
     tok = rows // K
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
@@ -76,16 +76,17 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         km = kk < D
         x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         if MX:
-            g = mx_tile(wg, sb + jg * s_sj, k0, D, s_wk, s_sk, nm, dt, BLOCK_N, BLOCK_K)
-            u = mx_tile(wu, sb + ju * s_sj, k0, D, s_wk, s_sk, nm, dt, BLOCK_N, BLOCK_K)
+            we = w_ptr + e.to(tl.int64) * s_we
+            acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K)
+            acc_u = mx_dot(x, acc_u, we, ju, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K)
         else:
             g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
             u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
             if QROWS:
                 g = dequant_tile(g, sb + (jg // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
                 u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
-        acc_g = tl.dot(x, tl.trans(g), acc_g)
-        acc_u = tl.dot(x, tl.trans(u), acc_u)
+            acc_g = tl.dot(x, tl.trans(g), acc_g)
+            acc_u = tl.dot(x, tl.trans(u), acc_u)
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
     if HAS_BIAS:
@@ -120,14 +121,14 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
         km = kk < k_hi
         h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         if MX:
-            w = mx_tile(wd, ws_ptr + e.to(tl.int64) * s_se + n * s_sj, k0, k_hi, s_wk, s_sk, nm, h.dtype, BLOCK_N,
-                        BLOCK_K)
+            acc = mx_dot(h, acc, w_ptr + e.to(tl.int64) * s_we, n, s_wn, s_wk, ws_ptr + e.to(tl.int64) * s_se, s_sj,
+                         s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K)
         else:
             w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
             if QROWS:
                 w = dequant_tile(w, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, k_hi, s_sk, nm,
                                  h.dtype, BLOCK_N, BLOCK_K)
-        acc = tl.dot(h, tl.trans(w), acc)
+            acc = tl.dot(h, tl.trans(w), acc)
     return acc, n, nm
 
 

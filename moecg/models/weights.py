@@ -598,6 +598,9 @@ def load_checkpoint(model, path: str) -> None:
                 if tuple(src.shape) != want or src.dtype != torch.uint8:
                     raise WeightFormatError(f"model.pretrained_path={path}: {key} is {src.dtype} "
                                             f"{tuple(src.shape)}, the model expects torch.uint8 {want}")
+                if key.endswith(MX_SCALES) and bool((src == 255).any()):
+                    raise WeightFormatError(f"model.pretrained_path={path}: {key} holds scale byte 255 (NaN in e8m0): "
+                                            "a block moecg cannot compute with")
                 dst.copy_(src.reshape(dst.shape))
     missing = sorted(set(state) - filled - {n + SCALE for n in quant})
     if missing:
