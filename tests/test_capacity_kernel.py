@@ -216,9 +216,11 @@ def test_kernels_compile_for_hopper():
                  part_ptr="*fp32", sem_ptr="*i32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", pos_ptr="*i64",
                  scaling="fp32", lg_ptr="*fp32", b_ptr="*fp32", tw_ptr="*bf16", eps="fp32", res_ptr="*bf16", sg_ptr="*bf16")
 
-    def build(fn, consts, stages=4):
-        sig = {n: "constexpr" if n in consts else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
-               for n in inspect.signature(fn.fn).parameters}
+    def build(fn, consts, stages=4, **ptr_types):
+        params = inspect.signature(fn.fn).parameters
+        consts = {**{q: 0 for q in ("QROWS", "MX") if q in params}, **consts}  # bf16 weights unless asked
+        tys = {**types, **ptr_types}
+        sig = {n: "constexpr" if n in consts else tys.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in params}
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": 4, "num_stages": stages})
@@ -236,6 +238,15 @@ def test_kernels_compile_for_hopper():
     build(cap._cap_up_kernel, dict(K=4, KP=4, HAS_VALID=False, COUNT=False, JM=2, JU=1, HAS_BIAS=True, ACT=1,
                                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64))
     build(cap._cap_down_kernel, dict(K=4, KP=4, RENORM=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))
+    mx = dict(w_ptr="*u8", ws_ptr="*u8")  # mxfp4 experts: tl.dot_scaled on bf16 activations
+    build(cap._cap_up_kernel, dict(K=4, KP=4, HAS_VALID=False, COUNT=False, JM=2, JU=1, HAS_BIAS=True, ACT=1,
+                                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64, MX=1), stages=3, **mx)
+    build(cap._cap_down_kernel, dict(K=4, KP=4, RENORM=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                                     MX=1), **mx)
+    build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=1, JU=1408, HAS_BIAS=False, ACT=0,
+                                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, BLOCK_S=64, USE_PDL=2, MX=1), **mx)
+    build(moe._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=False, SPLIT=4, BLOCK_M=16, BLOCK_N=64,
+                                     BLOCK_K=128, BLOCK_S=64, USE_PDL=2, MX=1), **mx)
     for pdl in (0, 1, 2):  # programmatic dependent launch: the griddepcontrol instructions lower for sm_90
         build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=1, JU=1408, HAS_BIAS=False, ACT=0,
                                        BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=pdl))
