@@ -68,7 +68,7 @@ def test_capacity_sweep_writes_one_full_result_per_job(sweep):
 
 
 @pytest.mark.slow
-def test_drop_rate_falls_with_capacity_factor_to_zero(sweep):
+def test_drops_vanish_at_full_capacity(sweep):
     res = job_results(sweep)
     for bs in BATCHES:
         rows = sorted((r for r in res if r["batch_size"] == bs), key=lambda r: r["capacity_factor"])
@@ -77,7 +77,12 @@ def test_drop_rate_falls_with_capacity_factor_to_zero(sweep):
         assert rows[-1]["capacity_factor"] >= E / K and capacity(bs, K, E, rows[-1]["capacity_factor"]) == bs
         assert rates[-1] == 0.0 and rows[-1]["dropped_prob_mass"] == 0.0
         assert rows[0]["capacity_factor"] == 0.25 and rates[0] > 0
-        assert all(a >= b for a, b in zip(rates, rates[1:])), f"bs={bs}: drop rate rose with the factor: {rates}"
+        # Not monotone in the factor in general: a drop changes the next layers' inputs (and the prompt's drops at
+        # prefill, whose C the factor sets too, the cache), so the routing and the generated tokens differ between
+        # factors even where the decode C is the same. What holds: a decode C of bs drops nothing.
+        for r in rows:
+            if capacity(bs, K, E, r["capacity_factor"]) == bs:
+                assert r["drop_rate"] == 0.0, (bs, r["capacity_factor"])
         assert rows[-1]["token_agreement_vs_eager"] == 1.0
 
 
