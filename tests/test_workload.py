@@ -151,8 +151,8 @@ def test_fused_step_serves_every_attention_kind():
 # -- workload=fixed is today's run -----------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["default", "capacity"])
 def test_fixed_workload_results_unchanged(case):
-    """A default (workload=fixed) run gives the record commit 1820504 gave, field for field, apart from timing,
-    memory and environment; the serving fields are null."""
+    """A default (workload=fixed) run gives the record tests/data/fixed_golden.json holds, field for field, apart
+    from timing, memory and environment; the serving fields are null."""
     from moecg.harness import run_experiment
 
     golden = json.loads(GOLDEN.read_text())
