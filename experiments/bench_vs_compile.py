@@ -12,7 +12,8 @@ Rows, all greedy, ms per decode step (prefill excluded), same prompts, same max 
                    per step = (t(N new tokens) - t(1 new token)) / (N - 1)
   compile          HF StaticCache + torch.compile(model.forward, mode=--compile-mode, fullgraph=True),
                    experts_implementation=grouped_mm; compile time = the first decode calls until steady
-  moecg:<strategy> moecg's engine with dispatch=dropless (capacity: dispatch=capacity cf 1.25); `full+compile`:
+  moecg:<strategy> moecg's engine with dispatch=dropless (capacity: dispatch=capacity, cf 1.25 or the factor after
+                   `@`: `capacity+fused@0.5`); `full+compile`:
                    the decode forward Inductor-compiled without its own cudagraphs, then captured by moecg;
                    `full+fused`: capture.kernels=fused + dispatch=fused (moecg.fast's Triton decode step);
                    `capacity+fused`: capture.kernels=fused + dispatch=capacity, whose experts the fused step runs
@@ -22,6 +23,8 @@ Rows, all greedy, ms per decode step (prefill excluded), same prompts, same max 
                    capture_s: every bucket of --buckets captured (the engine holds max(--buckets) rows), JIT
                    compiles included
                    agree: greedy-token agreement with HF's modules run eagerly (dropless), same prompts
+                   drops: the decode steps' dropped / routed assignments of a free-running generate (prefill not
+                   counted) and C, the mean capacity per MoE call (capacity strategies)
 Timing: CUDA events per step after warmup, median over steps of --repeats generates (perf_counter on CPU).
 --prefill-chunk N: every moecg engine (the reference's too) prefills N tokens per forward (DecodeEngine prefill_chunk);
 hf_generate and compile keep their one-forward prefill, which only their timing's prefill part sees.
@@ -38,7 +41,7 @@ import torch
 from transformers import StaticCache
 
 from moecg.capture import Capture, validate_buckets
-from moecg.dispatch import attach, detach, make_dispatcher
+from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.engine import DecodeEngine, check_prefill_chunk
 from moecg.fidelity import agreement, top2_margins
 from moecg.floor import step_floor_ms
@@ -129,7 +132,12 @@ def moecg_ms(model, adapter, prompts, new_tokens, repeats, cache_len, strategy, 
         cap = Capture(engine, strategy, buckets=buckets, compile=compile_mode is not None,
                       compile_mode=compile_mode or "default", kernels=kernels).apply()
         capture_s = time.perf_counter() - t0
-        first = engine.generate(prompts, new_tokens, timing=False)
+        state = state_of(model)
+        state.reset()
+        first = engine.generate(prompts, new_tokens, timing=False, count_prefill=False)
+        snap = state.snapshot()
+        drops = {"dropped_assignments": snap["dropped_assignments"], "routed_assignments": snap["routed_assignments"],
+                 "drop_rate": snap["drop_rate"], "capacity": snap["capacity_used"]}
         agree = None
         if ref_tokens is not None:
             forced = engine.generate(prompts, new_tokens, timing=False, force_tokens=ref_tokens[0])
@@ -148,10 +156,25 @@ def moecg_ms(model, adapter, prompts, new_tokens, repeats, cache_len, strategy, 
         floor = step_floor_ms(engine, adapter, prompts, bandwidth_gbps, context, make_dispatcher(dispatch).reads_all_experts)
         cap.unwrap()
         return {"ms": statistics.median(steps), "wall": statistics.median(walls), "capture_s": capture_s,
-                "captured": cap.stats()["captured"], "floor": floor, "agree": agree}
+                "captured": cap.stats()["captured"], "floor": floor, "agree": agree, **drops}
     finally:
         detach(model)
         torch._dynamo.reset()
+
+
+def parse_strategy(s: str) -> tuple[str, str, float]:
+    """'capacity+fused@0.5' -> ('capacity', 'fused', 0.5); the factor defaults to 1.25 and only capacity takes one."""
+    head, at, factor = s.partition("@")
+    name, _, extra = head.partition("+")
+    if at and name != "capacity":
+        raise ValueError(f"--strategies {s}: only capacity strategies take a capacity factor (@F)")
+    try:
+        cf = float(factor) if at else 1.25
+    except ValueError:
+        raise ValueError(f"--strategies {s}: the factor after '@' must be a number, e.g. capacity+fused@1.0") from None
+    if cf <= 0:
+        raise ValueError(f"--strategies {s}: the capacity factor must be > 0")
+    return name, extra, cf
 
 
 def main(argv=None):
@@ -187,9 +210,11 @@ def main(argv=None):
     try:
         buckets = validate_buckets(args.buckets)
         check_prefill_chunk(args.prefill_chunk)
+        for s in args.strategies:
+            parse_strategy(s)
     except (ValueError, TypeError) as e:
         ap.error(str(e).replace("prefill_chunk=", "--prefill-chunk ").replace("capture.buckets", "--buckets"))
-    if args.prefill_chunk is not None and any(s.partition("+")[0] == "capacity" for s in args.strategies):
+    if args.prefill_chunk is not None and any(parse_strategy(s)[0] == "capacity" for s in args.strategies):
         ap.error("--prefill-chunk with a capacity strategy: its prefill drops by the tokens per forward, so chunks "
                  "would change what it drops; leave capacity out of --strategies or drop --prefill-chunk")
 
@@ -218,8 +243,8 @@ def main(argv=None):
         torch._dynamo.reset()
         context = args.prompt_len + args.new_tokens // 2
         for s in args.strategies:
-            name, _, extra = s.partition("+")
-            dispatch, kw = ("capacity", {"capacity_factor": 1.25}) if name == "capacity" else ("dropless", {})
+            name, extra, cf = parse_strategy(s)
+            dispatch, kw = ("capacity", {"capacity_factor": cf}) if name == "capacity" else ("dropless", {})
             if extra == "fused" and name != "capacity":
                 dispatch = "fused"
             mode = args.moecg_compile_mode if extra == "compile" else None
@@ -231,10 +256,13 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
                 print(f"moecg:{s} failed: {type(e).__name__}: {e}", flush=True)
                 nan = float("nan")
-                m = {"ms": nan, "wall": nan, "capture_s": nan, "captured": False, "floor": nan, "agree": None}
+                m = {"ms": nan, "wall": nan, "capture_s": nan, "captured": False, "floor": nan, "agree": None,
+                     "dropped_assignments": None, "routed_assignments": None, "drop_rate": None, "capacity": None}
             row[f"moecg:{s}"], row[f"moecg:{s}:capture_s"], row["captured"] = m["ms"], m["capture_s"], m["captured"]
             row[f"moecg:{s}:agree"] = m["agree"]
             row[f"moecg:{s}:wall"] = m["wall"]
+            for k in ("dropped_assignments", "routed_assignments", "drop_rate", "capacity"):
+                row[f"moecg:{s}:{k}"] = m[k]
             # the dropless floor counts the experts a step routes to, capacity's every expert (reads_all_experts)
             row["capacity_floor_ms" if name == "capacity" else "floor_ms"] = m["floor"]
         results.append(row)
@@ -281,6 +309,16 @@ def main(argv=None):
             f"{s} {r[f'moecg:{s}'] / r[key]:.2f}x" for s in args.strategies
             for key in ["capacity_floor_ms" if s.startswith("capacity") else "floor_ms"] if r.get(key))
         for r in results)]
+    def drops(r, s):
+        if r[f"moecg:{s}:routed_assignments"] is None:
+            return f"{s} -"
+        c = r[f"moecg:{s}:capacity"]
+        return (f"{s} {r[f'moecg:{s}:dropped_assignments']} / {r[f'moecg:{s}:routed_assignments']}"
+                + (f" (C {c:g})" if c is not None else ""))
+
+    lines += ["", "decode drops, dropped / routed assignments of one free-running generate (C: mean capacity per MoE "
+              "call): " + "; ".join(f"bs {r['batch_size']}: " + ", ".join(drops(r, s) for s in args.strategies)
+                                    for r in results)]
     write_report("\n".join(lines), results, args, args.out, args.json)
     return 0
 
