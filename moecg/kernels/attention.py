@@ -177,13 +177,13 @@ def attn_splits(T: int, Hkv: int, span: int) -> int:
     """How many programs share one (row, kv head)'s context: enough programs to keep the SMs busy when rows x kv
     heads are few, at least 64 slots each. Up to LONG_SPAN slots: ~128 programs, at most 16 splits (the choice
     every short-context table was measured with). Longer: ~256 programs, at most 128 splits. Chosen from
-    experiments/bench_attn_splits.py on the H200 (experiments/results/h200/issue14_capacity/attn_splits.md; 32k
+    experiments/bench_attn_splits.py on the H200 (experiments/results/attn_splits/attn_splits.md; 32k
     slots at position 30000, T 1 and 8, 4-16 kv heads, one uncaptured call per timing): the best split count or
     within 2% of it in five of the six cases, where the short rule was 1.00-1.23x slower; Qwen3-30B-A3B at T=1
     (4 kv heads) 0.116 ms against the best 0.092 (128 splits) and the short rule's 0.129. Inside the captured step
     that does not hold: aiming a single row at ~512 programs (128 splits there) made the 30k-token step slower,
     1.32 -> 1.55 ms on Qwen3-30B-A3B (12 layers) and 2.13 -> 2.25 ms on Mixtral (8 layers) (commit dca50e9,
-    experiments/results/h200/issue14_final/long_*_bs1.md), so the rule stays at ~256."""
+    experiments/results/long_context/history/dca50e9/), so the rule stays at ~256."""
     if span > LONG_SPAN:
         return max(1, min(256 // max(1, T * Hkv), span // 64, 128))
     return short_splits(T, Hkv, span)
@@ -199,8 +199,8 @@ def attn_merge_block(GP: int, Dh: int) -> int:
     """Splits whose loads the merge unrolls together (SB; the adds stay one split at a time, in order): 4, fewer where
     4 [GP, Dh] fp32 tiles would pass 8192 elements (64 registers a thread at 4 warps). On the H200, Qwen3-30B-A3B 12
     layers at a 30k-token context (64 splits), the step went 1.261 -> 1.241 (2) -> 1.228 ms (4), the same bits
-    (results/h200/issue14_s6/variants_qwen3_long_b.md); one [SB, GP, Dh] tile loaded at once was 1.7x slower
-    (variants_qwen3_long.md, commit 7fee360)."""
+    (bench_step_variants.py at 64 splits); one [SB, GP, Dh] tile loaded at once was 1.7x slower
+    (experiments/results/step_variants/history/7fee360/variants_qwen3_long.md)."""
     return max(1, min(4, 8192 // (GP * Dh)))
 
 

@@ -6,7 +6,7 @@ shape (each range half-open, [lo, hi)); DEFAULT where none does. Both kernel fam
 (`moe.moe_experts`) and the capacity kernels (`capacity.capacity_experts`), which run the same GEMM tiles
 on other rows. A caller that sweeps tiles passes `tiles=MoeTiles(...)` instead (experiments/bench_kernels.py).
 
-The values come from experiments/bench_kernels.py on an H200 (results/h200/kernels_*.md): 64x128 tiles, 4 warps,
+The values come from experiments/bench_kernels.py on an H200 (experiments/results/kernels/): 64x128 tiles, 4 warps,
 4 stages are best or within 3% for the Qwen shapes at bs 1-32; Mixtral-sized experts (I*D >= 32M, i.e. 4096 x 14336)
 prefer 32x256 with 3 stages. No rule depends on T today, so one compilation serves every bucket; a rule that does
 costs one more compilation per distinct tile set.
@@ -59,7 +59,7 @@ DEFAULT = MoeTiles()
 MOE_TILE_RULES: tuple[TileRule, ...] = (
     # Mixtral-8x7B's experts (D 4096, I 14336): longer K steps and narrower columns stream the big weights faster
     # (PDL: their successors launch only as their blocks exit: an early trigger measured 4% slower at bs 1 on the
-    # H200, results/h200/issue14_step/variants_mixtral*.md)
+    # H200, bench_step_variants.py on the Mixtral shape, experiments/results/step_variants/)
     TileRule(MoeTiles(up_n=32, up_k=256, down_n=32, down_k=256, stages=3, pdl_trigger=False),
              weight=(32 * 2**20, math.inf)),
 )
@@ -100,7 +100,7 @@ class GemvRule:
 
 
 # Where the Triton GEMV (gemv.linear) replaces cuBLAS: first rule whose ranges hold (T, N, K); none: cuBLAS.
-# Kept only where the captured step got faster on an H200 (results/h200/issue14_s5/variants_*_table.md): Qwen1.5's
+# Kept only where the captured step got faster on an H200 (bench_step_variants.py's tile variants): Qwen1.5's
 # o (2048 x 2048) and qkv (6144 x 2048), -33 us a step at bs 1 and -52 at bs 8 over 24 layers. The K = 4096
 # projections (Qwen3's o, Mixtral's qkv and o) beat cuBLAS by 1.3-2.4 us a call in bench_gemv.py, but that bench chained
 # the GEMVs by PDL; inside the step they were no faster (Mixtral) or 3 us a layer slower (Qwen3), whatever the PDL
@@ -133,8 +133,8 @@ def fp8_gemv_tiles(T: int, N: int, K: int) -> GemvTiles:
 
 def norm_warps(T: int, D: int, KK: int) -> int:
     """Warps of add_rmsnorm's one program per row (it reads KK partial rows of D fp32, the residual and the weight).
-    D <= 2048: 16, more loads in flight for a kernel that runs one program at batch 1 (H200, issue14_s5/
-    variants_*_norm.md: the Qwen3 step -1.2% at bs 1 and -1.7% at bs 8, Qwen1.5's -2.8% and -1.5%; the sum of squares
+    D <= 2048: 16, more loads in flight for a kernel that runs one program at batch 1 (H200, bench_step_variants.py's
+    norm variants: the Qwen3 step -1.2% at bs 1 and -1.7% at bs 8, Qwen1.5's -2.8% and -1.5%; the sum of squares
     then adds in another order, so the bits can move within fp32 rounding); wider rows unmeasured: as before."""
     if D <= 2048:
         return 16
