@@ -1,9 +1,10 @@
-"""What a weight format costs in quality: each trained stdlib model in block-FP8 against its own full-precision self.
+"""What a weight format costs in quality: each trained stdlib model in --weights against its own full-precision self.
 
   python experiments/weights_fidelity.py --out experiments/results/weights/fidelity.md --json ...fidelity.json  # CPU
+  python experiments/weights_fidelity.py --weights mxfp4 ...  # the experts in MXFP4
 
-Per model (moecg/checkpoints/*_stdlib, quantized at load, model.weights=fp8_block):
-  agreement    greedy tokens of the FP8 model against the full-precision model's (HF modules, dropless), held-out
+Per model (moecg/checkpoints/*_stdlib, quantized at load, model.weights=--weights, fp8_block by default):
+  agreement    greedy tokens of the quantized model against the full-precision model's (HF modules, dropless), held-out
                prompts: free-running, and teacher-forced (each step fed the full model's token); the full model's
                top-1 minus top-2 margin at the largest teacher-forced flip next to its median margin
   bpb          held-out bits per byte (teacher-forced over the shipped held-out text), dropless and under
