@@ -24,7 +24,6 @@ measure gloo on shared cores: the CPU run checks that the script works, it measu
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from contextlib import contextmanager

@@ -27,10 +27,8 @@ import argparse
 import gc
 import json
 import random
-import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from moecg.capture import Capture
 from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.engine import DecodeEngine
-from moecg.fast import FastDecode, FastPathError, check_supported
+from moecg.fast import FastDecode
 from moecg.kernels import ref
 from moecg.models import build_model
 from model_terms import randomise_terms  # tests/

@@ -18,12 +18,11 @@ from moecg.capture import Capture
 from moecg.capture.graph import GraphRunner
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
-from moecg.fast import FastPathError
 from moecg.kernels import ref
 from moecg.models import build_model
 from moecg.ragged import RaggedEngine
 
-from test_ragged import JOIN, L, NEW, PROMPT_LENS, _run
+from test_ragged import L, NEW, PROMPT_LENS, _run
 
 FUSED_PRESETS = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny", "glm4_moe_tiny", "olmoe_tiny", "gpt_oss_tiny",
                  "deepseek_v3_tiny", "deepseek_v2_tiny", "mixtral_tiny_swa", "qwen2_moe_tiny_swa", "qwen3_moe_tiny_swa"]
