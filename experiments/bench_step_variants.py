@@ -20,6 +20,8 @@ Variants (names: `+`-joined switches on top of `base`):
   nw=N     add_rmsnorm with N warps (moecg.kernels.tiles.norm_warps)
   mb=N     the split attention's merge loading N splits' partial outputs at a time (triton_ops.attn_merge_block)
   as=N     N splits per (row, kv head) context for the decode attention (triton_ops.attn_splits' choice otherwise)
+  ok=N     the o projection on the Triton GEMV split N ways over K (GemvTiles.split_k: fp32 partial rows that the
+           norm after it adds), on the table's tiles (bf16 shapes the table leaves to cuBLAS: 16 x 256)
   F=N      a MoE tile field (moecg.kernels.tiles.MoeTiles: up_n, up_k, down_n, down_k, warps, stages, block_m)
 Each variant is captured (strategy full, capture.kernels=fused, dispatch=fused, the one bucket = the batch) and
 timed by CUDA events over --replays back-to-back replays, median of --repeats; the step's logits from one fixed
@@ -43,6 +45,7 @@ from moecg.engine import DecodeEngine
 from moecg.floor import step_floor_ms
 from moecg.kernels import tiles as tiles_mod, triton_ops
 from moecg.models import build_model
+from moecg.models.weights import FORMATS, BlockFp8
 from moecg.report import env_fields, write_report
 from profile_step import kernel_table  # same directory: the per-kernel profile
 
@@ -62,18 +65,21 @@ def parse_variant(name: str) -> dict:
             v["split"] = int(p[5:])
         elif p.startswith("nw=") and p[3:].isdigit():  # add_rmsnorm's warps (tiles.norm_warps)
             v["nw"] = int(p[3:])
+        elif p.startswith("ok=") and p[3:].isdigit():  # the o projection's split-K
+            v["ok"] = int(p[3:])
         elif p[:3] in ("mb=", "as=") and p[3:].isdigit():  # the attention's merge block / split count
             v[p[:2]] = int(p[3:])
         elif "=" in p and p.split("=")[0] in TILE_FIELDS:  # a MoE tile field, e.g. down_n=32
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, F=N)")
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ok=N, F=N)")
     return v
 
 
 MOE_EXPERTS, MOE_TILES = triton_ops.moe_experts, tiles_mod.moe_tiles  # the originals, which set_variant wraps
 ATTN_DECODE = triton_ops.attn_decode
+LINEAR_PARTIALS = triton_ops.linear_partials
 GEMV_RULES, NORM_WARPS = tiles_mod.GEMV_RULES, tiles_mod.norm_warps
 
 
@@ -98,6 +104,17 @@ def set_variant(v: dict) -> None:
         return ATTN_DECODE(*a, **kw)
 
     triton_ops.attn_decode = attn_decode if ("as" in v or "mb" in v) else ATTN_DECODE
+
+    def linear_partials(x, w, bias=None, tiles=None):
+        if tiles is None:
+            T, K = x.shape
+            if isinstance(w, BlockFp8):
+                tiles = tiles_mod.fp8_gemv_tiles(T, w.q.shape[0], K)
+            else:
+                tiles = tiles_mod.gemv_tiles(T, w.shape[0], K) or tiles_mod.GemvTiles(16, 256, 4, 3)
+        return LINEAR_PARTIALS(x, w, bias, dataclasses.replace(tiles, split_k=v["ok"]))
+
+    triton_ops.linear_partials = linear_partials if "ok" in v else LINEAR_PARTIALS
 
 
 def time_variant(v, model, adapter, bs, prompts, cache_len, replays, repeats, bandwidth, profile_it,
@@ -146,12 +163,13 @@ def main(argv=None):
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", nargs="*", default=[], help="variants to profile per kernel")
+    ap.add_argument("--weights", default="full", choices=FORMATS, help="the weight format (model.weights)")
     ap.add_argument("--bandwidth-gbps", type=float, default=4300)
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     variants = {name: parse_variant(name) for name in args.variants}
-    built = build_model(args.preset, num_layers=args.num_layers, device="cuda")
+    built = build_model(args.preset, num_layers=args.num_layers, device="cuda", weights=args.weights)
     model = built.model
     results, tables = [], []
     for bs in args.batch:
@@ -178,8 +196,9 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
             if table:
                 tables.append((name, bs, ms, table))
-    triton_ops.moe_experts, triton_ops.attn_decode = MOE_EXPERTS, ATTN_DECODE
-    head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, {env_fields()['device_name']}, "
+    triton_ops.moe_experts, triton_ops.attn_decode, triton_ops.linear_partials = MOE_EXPERTS, ATTN_DECODE, LINEAR_PARTIALS
+    head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, weights {built.weights}, "
+            f"{env_fields()['device_name']}, "
             f"prompt {args.prompt_len}, cache {args.cache_len}; captured full+fused step, ms (CUDA events, "
             f"{args.replays} replays x median of {args.repeats})")
     lines = [head, "", "| bs | variant | ms | x floor | floor ms | same bits as first | max logit diff |",

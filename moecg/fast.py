@@ -454,12 +454,12 @@ class FastDecode:
                                    L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
                 o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
                                     sinks=L.sinks, eager=self.eager_attn)  # [T, Hq*Dh]
-            a = ops.linear(o, L.wo, L.bo)  # [T, D]
+            a = ops.linear_partials(o, L.wo, L.bo)  # [T, S, D]: S split-K partial rows, or the output (S = 1)
             if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel
                 res, h, idx, w = ops.norm_route(a, res, L.post_w, L.post_eps, L.wcat[: L.n_experts], L.top_k,
                                                 L.norm_topk, L.route_dtype, router_logit_bias(L.router), cast_last=cl)
             else:
-                res, h = ops.add_rmsnorm(a[:, None], res, L.post_w, L.post_eps, cast_last=cl)
+                res, h = ops.add_rmsnorm(a, res, L.post_w, L.post_eps, cast_last=cl)
             nw, neps = (self.layers[i + 1].in_w, self.layers[i + 1].in_eps) if i + 1 < n else (self.norm_w,
                                                                                                self.norm_eps)
             if L.experts is None:

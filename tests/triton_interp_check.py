@@ -114,4 +114,40 @@ for Tg in (1, 3, 16):
             close(ref.linear(xg, wg, bias), tri.linear(xg, wg, bias, tiles=tl_), 1e-4)
 x17 = torch.randn(17, 72)
 assert torch.equal(tri.linear(x17, wg, tiles=GemvTiles()), torch.nn.functional.linear(x17, wg))  # 17 rows: cuBLAS
+# split-K partial rows: S ranges of whole K steps (S from split_k, the last range ragged), the bias in one of them;
+# their fp32 sum is the projection; unsplit (split_k 1, no tiles, 17 rows): linear's output as the one row
+from moecg.kernels import tiles as tiles_mod  # noqa: E402
+
+for Tg, split, bk, S in ((1, 2, 32, 2), (3, 3, 32, 3), (16, 4, 16, 3), (2, 8, 64, 2)):
+    xg = torch.randn(Tg, 72)
+    for bias in (None, bg):
+        got = tri.linear_partials(xg, wg, bias, tiles=GemvTiles(block_n=16, block_k=bk, split_k=split))
+        assert got.shape == (Tg, S, 40) and got.dtype == torch.float32, (got.shape, split)
+        close(got.sum(1), ref.linear(xg, wg, bias), 1e-4)
+        assert ref.linear_partials(xg, wg, bias).shape == (Tg, 1, 40)
+        # the consumers add the partials in order and round once: as on their sum
+        r_, nw_, rw_ = torch.randn(Tg, 40), torch.rand(40) + 0.5, torch.randn(8, 40)
+        for u, v in zip(tri.norm_route(got, r_, nw_, 1e-6, rw_, 2, True, torch.float32),
+                        ref.norm_route(got.sum(1), r_, nw_, 1e-6, rw_, 2, True, torch.float32)):
+            close(u.float(), v.float(), 1e-5)
+        close(tri.add_rmsnorm(got, r_, nw_, 1e-6)[1], ref.add_rmsnorm(got.sum(1, keepdim=True), r_, nw_, 1e-6)[1], 1e-5)
+for t_ in (GemvTiles(split_k=1), None):
+    assert torch.equal(tri.linear_partials(x17, wg, bg, tiles=t_)[:, 0], tri.linear(x17, wg, bg, tiles=t_))
+# the fused step with every o projection split (a rule for its shape, N = hidden): the same tokens as the torch ops
+from moecg.kernels import gemv as gemv_mod  # noqa: E402
+
+rules, launch_ = tiles_mod.GEMV_RULES, gemv_mod.launch
+splits = []
+gemv_mod.launch = lambda k, g, *a, **kw: (splits.append(kw.get("SPLIT", 1)), launch_(k, g, *a, **kw))[1]
+try:
+    for preset in ("qwen2_moe_tiny", "qwen3_moe_tiny"):  # add_rmsnorm, then norm_route, after the o projection
+        model = build_model(preset, dtype="fp32", device="cpu", seed=0).model
+        D = model.config.hidden_size
+        tiles_mod.GEMV_RULES = (tiles_mod.GemvRule(GemvTiles(16, 16, split_k=3), out=(D, D + 1)),)
+        prompts = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+        splits.clear()
+        fused_backends_agree(model, prompts, 32, 6, preset + " o split")
+        assert max(splits) > 1, (preset, set(splits))  # the o projection ran split
+finally:
+    tiles_mod.GEMV_RULES, gemv_mod.launch = rules, launch_
 print("ALL OK")

@@ -8,6 +8,7 @@ a ragged last one) and GPT-OSS's transposed, biased, interleaved experts in mxfp
 Prints ALL OK when every check passes; any mismatch raises.
 Dims: T tokens, K top-k, E experts, D hidden, I expert intermediate, N/K a projection's.
 """
+import math
 import os
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
@@ -42,6 +43,15 @@ for T, N, K, parts, bias in ((1, 300, 200, 1, False), (5, 384, 256, 1, True), (2
         if T <= 16:  # the same tiles on the dequantized weight: the same bits
             assert torch.equal(out, tri.linear(x, wq.dense(), b, tiles=tiles)), (T, N, K, tiles)
         close(out, got, 1e-4)
+    # split-K partial rows (ranges of whole 128-column scale blocks): the same products as the unsplit GEMV, summed
+    # in another order; on the dequantized weight the same bits
+    for tiles in (GemvTiles(32, 128, 4, 3, split_k=2), GemvTiles(16, 64, 4, 2, split_k=4)):
+        parts = tri.linear_partials(x, wq, b, tiles=tiles)
+        kper = math.ceil(math.ceil(K / tiles.split_k) / tiles.block_k) * tiles.block_k  # a split's columns
+        assert parts.shape[1] == math.ceil(K / kper), (parts.shape, tiles)
+        close(parts.sum(1), got, 1e-4)
+        if T <= 16:
+            assert torch.equal(parts, tri.linear_partials(x, wq.dense(), b, tiles=tiles)), (T, N, K, tiles)
 
 
 class _Counting(Dispatcher):

@@ -56,30 +56,46 @@ def silu_mul(gu, inter: int):
 # A block-FP8 weight (QROWS > 0: e4m3 values, fp32 scales ws [N / QROWS, K / 128], moecg.models.weights) is
 # dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot;
 # program_id(2) then takes BLOCK_T rows each, so any T runs it.
-@triton.jit(do_not_specialize=["T"])
+# Split-K (linear_partials, GemvTiles.split_k = S > 1): program_id(1) takes one of S column ranges of K (a whole
+# number of K steps each) and stores its fp32 partial row; the consumer (add_rmsnorm, norm_route) adds the S
+# partials in order and rounds once, so the projection's output is rounded once as in linear, from the same fp32
+# products summed in another order. S times the programs for projections whose N alone gives too few (o: N = D).
+@triton.jit(do_not_specialize=["T", "kper"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
-                 s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0):
+                 s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0,
+                 SPLIT: tl.constexpr = 1, kper=0, s_ys=0):
     pdl_enter(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    hd = tl.program_id(1)
-    x_ptr += hd * s_xh
-    w_ptr += hd * s_wh
-    y_ptr += hd * s_yh
+    if SPLIT > 1:  # program_id(1) is the K split (one head): columns [sp * kper, (sp + 1) * kper) of K
+        sp = tl.program_id(1)
+        k_lo = sp * kper
+        k_hi = tl.minimum(K, k_lo + kper)
+        y_ptr += sp * s_ys
+    else:
+        hd = tl.program_id(1)
+        x_ptr += hd * s_xh
+        w_ptr += hd * s_wh
+        y_ptr += hd * s_yh
+        k_lo = 0
+        k_hi = K
     nm = n < N
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        km = k < K
+        km = k < k_hi
         x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
         if QROWS:
             w = dequant_tile(w, ws_ptr + (n // QROWS) * s_sn, k0, K, s_sk, nm, x.dtype, BLOCK_N, BLOCK_K)
         acc += tl.dot(x, tl.trans(w))
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:  # split: once, in the first split's partial
+        b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+        if SPLIT > 1:
+            b = tl.where(sp == 0, b, 0.0)
+        acc += b[None, :]
     tl.store(y_ptr + t[:, None] * s_yt + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=tm[:, None] & nm[None, :])
 
 
@@ -104,6 +120,31 @@ def linear(x, w, bias=None, tiles=None):
             x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=16, BLOCK_N=t.block_n,
             BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device, t.pdl_trigger))
     return y
+
+
+@dry_zeros
+def linear_partials(x, w, bias=None, tiles=None):
+    """As ref.linear_partials: [T, S, N], the projection's S split-K partial rows (fp32) or, unsplit, linear's
+    output as one partial row (S = 1). tiles: GemvTiles, or None: the table's (fp8_gemv_tiles for a block-FP8
+    weight, gemv_tiles otherwise); split only where they say split_k > 1 (and T <= GEMV_MAX_T for a dense w)."""
+    fp8 = isinstance(w, BlockFp8)
+    T, K = x.shape
+    N = w.q.shape[0] if fp8 else w.shape[0]
+    t = tiles or (_tiles.fp8_gemv_tiles(T, N, K) if fp8 else _tiles.gemv_tiles(T, N, K))
+    if t is None or t.split_k <= 1 or (not fp8 and (T > GEMV_MAX_T or w.stride(1) != 1)) or x.stride(1) != 1 \
+            or (bias is not None and bias.stride(0) != 1):
+        return linear(x, w, bias, tiles)[:, None]
+    bk = check_block_k(t.block_k) if fp8 else t.block_k
+    kper = triton.cdiv(triton.cdiv(K, t.split_k), bk) * bk  # a whole number of K steps (and of 128-column scales)
+    S = triton.cdiv(K, kper)
+    y = torch.empty(S, T, N, dtype=torch.float32, device=x.device)
+    q, extra = (w.q, {"ws_ptr": w.scale, "s_sn": w.scale.stride(0), "s_sk": w.scale.stride(1), "QROWS": w.rows}) \
+        if fp8 else (w, {})
+    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), S, triton.cdiv(T, GEMV_MAX_T)), x, q,
+           bias if bias is not None else y, y, T, N, K, x.stride(0), q.stride(0), y.stride(1),
+           HAS_BIAS=bias is not None, BLOCK_T=GEMV_MAX_T, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
+           num_stages=t.stages, SPLIT=S, kper=kper, s_ys=y.stride(0), **extra, **pdl_args(x.device, t.pdl_trigger))
+    return y.transpose(0, 1)  # [T, S, N]
 
 
 def _linear_fp8(x, w, bias, tiles):

@@ -206,10 +206,10 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
 
 def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize: bool, out_dtype, logit_bias=None,
                cast_last: bool = False):
-    """a [T, D] (the attention output), residual [T, D] -> (new residual, normed [T, D], idx [T, K], weights [T, K]):
-    add_rmsnorm, the router linear (router_w [E, D], no bias; output in the model dtype), + logit_bias [E] (moecg's
+    """a [T, D] or [T, S, D] (the attention output, or its partial rows: linear_partials), residual [T, D] -> (new
+    residual, normed [T, D], idx [T, K], weights [T, K]): add_rmsnorm, the router linear (router_w [E, D], no bias; output in the model dtype), + logit_bias [E] (moecg's
     router skew, in the logits' dtype), softmax_topk."""
-    res, h = add_rmsnorm(a[:, None], residual, weight, eps, cast_last=cast_last)
+    res, h = add_rmsnorm(a[:, None] if a.dim() == 2 else a, residual, weight, eps, cast_last=cast_last)
     logits = torch.nn.functional.linear(h, router_w)
     if logit_bias is not None:
         logits = logits + logit_bias.to(logits.dtype)
@@ -271,6 +271,13 @@ def linear(x, w, bias=None, tiles=None):
     rounded once. w: a tensor, or a block-FP8 weight (moecg.models.weights.BlockFp8), dequantized first.
     tiles: the Triton GEMV's tile choice (moecg.kernels.tiles.GemvTiles); no meaning here."""
     return F.linear(x, dense(w), bias)
+
+
+def linear_partials(x, w, bias=None, tiles=None):
+    """linear as [T, S, N] partial rows whose fp32 sum is the projection (its consumer, add_rmsnorm or norm_route,
+    adds them and rounds once): here S = 1, linear's output itself. The Triton GEMV splits K where its tiles say
+    (GemvTiles.split_k), the same products summed in another order."""
+    return linear(x, w, bias)[:, None]
 
 
 def head_linear(x, w, tiles=None):

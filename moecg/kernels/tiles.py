@@ -86,6 +86,7 @@ class GemvTiles:
     warps: int = 4
     stages: int = 4
     pdl_trigger: bool = True  # under PDL mode 2, trigger the successor's launch at the start (False: as blocks exit)
+    split_k: int = 1  # K split this many ways into fp32 partial rows the consumer adds (gemv.linear_partials only)
 
 
 @dataclass(frozen=True)
