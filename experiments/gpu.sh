@@ -14,7 +14,7 @@
 #                        the H200 image lacks, built by make_wheelhouse.sh); WHEELS= skips the install
 # Suite knobs (defaults are the settings of the committed results): TESTS / TEST_K (pytest paths, -k; `tests`), VARIANTS
 # (`step_variants`), EPS / MODELS / BATCH / RUN_BATCH / STRATEGIES (`ep`), PROJ_MODELS / PROJ_TIMEOUT (`ep_projection`),
-# TRAIN_MODELS / MINUTES (`train_stdlib`), FORMATS (`weights`), STDLIB_MODELS (`fidelity`, `serving_stdlib`), MLA_ATTN_ARGS (`mla_attn`), SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`, `weights_whole`), WHOLE_MODELS (`weights_whole`: preset:format ...).
+# TRAIN_MODELS / MINUTES (`train_stdlib`), FORMATS (`weights`), STDLIB_MODELS (`fidelity`, `serving_stdlib`), MLA_ATTN_ARGS (`mla_attn`), SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`, `weights_whole`), WHOLE_MODELS / WHOLE_BATCH (`weights_whole`: preset:format ..., batch sizes).
 set -u -o pipefail
 OUT=${OUT:-experiments/results}
 PASS=new  # or old: the OLD package's pass
@@ -82,7 +82,7 @@ suite_weights_whole() {  # GPT-OSS-120B in mxfp4 and GLM-4.5-Air in fp8_block, w
   for mw in ${WHOLE_MODELS:-gpt_oss_120b:mxfp4 glm4_5_air:fp8_block}; do
     m=${mw%%:*} w=${mw#*:}
     t "step_${m}_$w.log" timeout ${BENCH_TIMEOUT:-580} python3 experiments/bench_vs_compile.py --preset "$m" --weights "$w" \
-      --batch 1 8 --buckets 1 8 --strategies full+fused capacity+fused@0.5 capacity+fused@1.0 capacity+fused \
+      --batch ${WHOLE_BATCH:-1 8} --buckets ${WHOLE_BATCH:-1 8} --strategies full+fused capacity+fused@0.5 capacity+fused@1.0 capacity+fused \
       capacity+fused@1.5 capacity+fused@2.0 --skip-hf-generate --skip-compile --repeats 2 \
       --out "$D/step_${m}_$w.md" --json "$D/step_${m}_$w.json" | grep -E "own floor|decode drops|failed|Error" | head -6
   done

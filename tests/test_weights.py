@@ -77,6 +77,23 @@ def test_fused_rows_dequantize_to_the_parts_stacked():
     assert fuse_rows([(*parts[1], BLOCK)])[2] == BLOCK  # one part of any length keeps 128-row groups
 
 
+def test_mx_quantization_in_chunks_gives_the_same_bytes(monkeypatch):
+    """A stack larger than MX_CHUNK values (a whole layer's experts) is quantized a few matrices at a time."""
+    from moecg.models import weights as W
+
+    torch.manual_seed(0)
+    w = torch.randn(5, 2, 24, 64) * torch.logspace(-3, 1, 64)
+    whole = mx_quantize(w)
+    monkeypatch.setattr(W, "MX_CHUNK", 3 * 24 * 64)  # 3 matrices a chunk: chunks of 3, 3, 3, 1
+    chunked = mx_quantize(w)
+    for a, b in zip(whole, chunked):
+        assert a.shape == b.shape and torch.equal(a, b)
+    monkeypatch.setattr(W, "MX_CHUNK", 10 ** 9)
+    dense = W.mx_dequantize(*whole, torch.bfloat16)
+    monkeypatch.setattr(W, "MX_CHUNK", 3 * 24 * 64)
+    assert torch.equal(W.mx_dequantize(*whole, torch.bfloat16), dense)
+
+
 def test_mx_quantization_is_the_published_format():
     """Scales: the smallest power of two that holds the block's amax (a zero block 2^0, the smallest 2^-126);
     values: the nearest e2m1 value, ties to the even code; packing: the low nibble the even column. HF's own mxfp4

@@ -107,13 +107,30 @@ class Mxfp4:
 QUANTIZED = (BlockFp8, Mxfp4)  # the stored forms of a quantized weight
 
 
+MX_CHUNK = 2 ** 27  # values quantized at once: the temporaries (fp32 and int64 per value) stay ~2 GiB
+
+
 def mx_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] (K a multiple of 32) -> (q [..., N, K/2] uint8, scale [..., N, K/32] uint8): per 32 values of a
     row the smallest power of two 2^e with amax <= 6 * 2^e (no value clipped; an all-zero block gets 2^0; e at
-    least -126), each value / 2^e rounded to the nearest e2m1 value, ties to the even code."""
+    least -126), each value / 2^e rounded to the nearest e2m1 value, ties to the even code. A stack of matrices
+    larger than MX_CHUNK values is quantized a few matrices at a time (each block on its own: the same bytes)."""
     *lead, N, K = w.shape
     if K % MX_BLOCK:
         raise WeightFormatError(f"model.weights=mxfp4: a weight's input dim ({K}) is not a multiple of {MX_BLOCK}")
+    if not lead or w.numel() <= MX_CHUNK:
+        return _mx_quantize(w)
+    flat = w.reshape(-1, N, K)
+    q = torch.empty(flat.shape[0], N, K // 2, dtype=torch.uint8, device=w.device)
+    sc = torch.empty(flat.shape[0], N, K // MX_BLOCK, dtype=torch.uint8, device=w.device)
+    step = max(1, MX_CHUNK // (N * K))
+    for i in range(0, flat.shape[0], step):
+        q[i: i + step], sc[i: i + step] = _mx_quantize(flat[i: i + step])
+    return q.view(*lead, N, K // 2), sc.view(*lead, N, K // MX_BLOCK)
+
+
+def _mx_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    *lead, N, K = w.shape
     b = w.float().contiguous().view(*lead, N, K // MX_BLOCK, MX_BLOCK)
     amax = b.abs().amax(-1)
     _, e = torch.frexp(amax / 6)  # amax / 6 < 2^e: e is the exponent, give or take one; fixed below, exactly
@@ -133,7 +150,19 @@ def mx_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mx_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The reference: q [..., N, K/2] uint8, scale [..., N, K/32] uint8 -> [..., N, K] in dtype (each e2m1 value
-    times 2^(s - 127) in fp32, rounded once)."""
+    times 2^(s - 127) in fp32, rounded once). A stack larger than MX_CHUNK values: a few matrices at a time."""
+    *lead, N, Kh = q.shape
+    if lead and 2 * q.numel() > MX_CHUNK:
+        fq, fs = q.reshape(-1, N, Kh), scale.reshape(-1, N, scale.shape[-1])
+        out = torch.empty(fq.shape[0], N, 2 * Kh, dtype=dtype, device=q.device)
+        step = max(1, MX_CHUNK // (2 * N * Kh))
+        for i in range(0, fq.shape[0], step):
+            out[i: i + step] = _mx_dequantize(fq[i: i + step], fs[i: i + step], dtype)
+        return out.view(*lead, N, 2 * Kh)
+    return _mx_dequantize(q, scale, dtype)
+
+
+def _mx_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=q.device)
     v = torch.stack([lut[(q & 15).long()], lut[(q >> 4).long()]], dim=-1).flatten(-2)  # [..., N, K]
     s = torch.ldexp(torch.ones_like(scale, dtype=torch.float32), scale.to(torch.int32) - MX_BIAS)
