@@ -87,6 +87,11 @@ suite_weights_whole() {  # GPT-OSS-120B in mxfp4 and GLM-4.5-Air in fp8_block, w
       --out "$D/step_${m}_$w.md" --json "$D/step_${m}_$w.json" | grep -E "own floor|decode drops|failed|Error" | head -6
   done
 }
+suite_weights_o_split() {  # the o projection split K ways into the norm after it, on the fp8_block step: Qwen3-30B-A3B (48 layers), bs 1 and 8
+  bench weights_o_split
+  variant qwen3_30b_a3b_48_fp8_block qwen3_30b_a3b 48 --weights fp8_block --batch 1 8 --repeats 3 \
+    --variants $D_STEP $D_STEP+ok=2 $D_STEP+ok=4 $D_STEP+ok=8
+}
 suite_long_context() {  # 30k-token prompt, 32k-slot cache, 4096-token prefill chunks; Qwen1.5 bs 1 only (103 GB of KV at bs 8)
   bench long_context
   local spec preset layers bss
