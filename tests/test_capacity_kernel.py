@@ -219,6 +219,8 @@ def test_kernels_compile_for_hopper():
     def build(fn, consts, stages=4, **ptr_types):
         params = inspect.signature(fn.fn).parameters
         consts = {**{q: 0 for q in ("QROWS", "MX") if q in params}, **consts}  # bf16 weights unless asked
+        if fn in (gemv._gemv_kernel, routers._norm_route_kernel):  # unsplit, one partial row, unless asked
+            consts = {**{q: 1 for q in ("SPLIT", "KK") if q in params}, **consts}
         tys = {**types, **ptr_types}
         sig = {n: "constexpr" if n in consts else tys.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in params}
         try:
@@ -273,3 +275,9 @@ def test_kernels_compile_for_hopper():
         t = rule.tiles
         build(gemv._gemv_kernel, dict(HAS_BIAS=i == 0, BLOCK_T=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, USE_PDL=2),
               stages=t.stages)
+    # split-K partial rows (fp32) on bf16 and on block-FP8 weights, and the router kernel that adds them
+    build(gemv._gemv_kernel, dict(HAS_BIAS=True, BLOCK_T=16, BLOCK_N=16, BLOCK_K=256, USE_PDL=2, SPLIT=4), stages=3)
+    build(gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=16, BLOCK_N=16, BLOCK_K=512, USE_PDL=2, SPLIT=4, QROWS=128),
+          stages=3, w_ptr="*fp8e4nv", ws_ptr="*fp32")
+    build(routers._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=False, CAST_LAST=False, BLOCK_D=2048, BLOCK_E=8,
+                                           BLOCK_EP=128, USE_PDL=2, KK=4), a_ptr="*fp32")
