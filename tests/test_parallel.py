@@ -337,7 +337,11 @@ def test_torchrun_failing_rank_fails_the_job_with_its_error(tmp_path):
     assert res["status"] == "failed" and res["phase"] == "timed" and res["ep"] == 2
     assert res["error"] == "rank 1 of 2: RuntimeError: injected failure on rank 1 at expert-parallel call 30"
     assert "injected failure" in res["traceback"]
-    assert "rank 0 of 2 stopped" in p.stderr and "rank 1 failed first" in p.stderr
+    assert "moecg: job failed: rank 1 of 2: RuntimeError: injected failure" in p.stderr
+    # rank 0's own line is printed only if it sees the peer's exit before torchrun's agent stops it (a race the
+    # launcher decides); when it does, it names the rank that failed first
+    if "rank 0 of 2 stopped" in p.stderr:
+        assert "rank 1 failed first" in p.stderr
 
 
 @pytest.mark.parametrize("args,phase,msg", [
