@@ -43,9 +43,9 @@ from moecg.capture import Capture
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
 from moecg.floor import step_floor_ms
-from moecg.kernels import tiles as tiles_mod, triton_ops
+from moecg.kernels import gemv, tiles as tiles_mod, triton_ops
 from moecg.models import build_model
-from moecg.models.weights import FORMATS, BlockFp8
+from moecg.models.weights import FORMATS
 from moecg.report import env_fields, write_report
 from profile_step import kernel_table  # same directory: the per-kernel profile
 
@@ -106,12 +106,7 @@ def set_variant(v: dict) -> None:
     triton_ops.attn_decode = attn_decode if ("as" in v or "mb" in v) else ATTN_DECODE
 
     def linear_partials(x, w, bias=None, tiles=None):
-        if tiles is None:
-            T, K = x.shape
-            if isinstance(w, BlockFp8):
-                tiles = tiles_mod.fp8_gemv_tiles(T, w.q.shape[0], K)
-            else:
-                tiles = tiles_mod.gemv_tiles(T, w.shape[0], K) or tiles_mod.GemvTiles(16, 256, 4, 3)
+        tiles = tiles or gemv.table_tiles(x, w) or tiles_mod.GemvTiles(16, 256, 4, 3)  # cuBLAS shapes: 16 x 256
         return LINEAR_PARTIALS(x, w, bias, dataclasses.replace(tiles, split_k=v["ok"]))
 
     triton_ops.linear_partials = linear_partials if "ok" in v else LINEAR_PARTIALS

@@ -122,6 +122,15 @@ def linear(x, w, bias=None, tiles=None):
     return y
 
 
+def table_tiles(x, w):
+    """The tile table's GemvTiles for x [T, K] @ w^T: fp8_gemv_tiles for a block-FP8 weight (always some), gemv_tiles
+    otherwise (None: cuBLAS)."""
+    T, K = x.shape
+    if isinstance(w, BlockFp8):
+        return _tiles.fp8_gemv_tiles(T, w.q.shape[0], K)
+    return _tiles.gemv_tiles(T, w.shape[0], K)
+
+
 @dry_zeros
 def linear_partials(x, w, bias=None, tiles=None):
     """As ref.linear_partials: [T, S, N], the projection's S split-K partial rows (fp32) or, unsplit, linear's
@@ -130,7 +139,7 @@ def linear_partials(x, w, bias=None, tiles=None):
     fp8 = isinstance(w, BlockFp8)
     T, K = x.shape
     N = w.q.shape[0] if fp8 else w.shape[0]
-    t = tiles or (_tiles.fp8_gemv_tiles(T, N, K) if fp8 else _tiles.gemv_tiles(T, N, K))
+    t = tiles or table_tiles(x, w)
     if t is None or t.split_k <= 1 or (not fp8 and (T > GEMV_MAX_T or w.stride(1) != 1)) or x.stride(1) != 1 \
             or (bias is not None and bias.stride(0) != 1):
         return linear(x, w, bias, tiles)[:, None]

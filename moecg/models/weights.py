@@ -121,12 +121,18 @@ def mx_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not lead or w.numel() <= MX_CHUNK:
         return _mx_quantize(w)
     flat = w.reshape(-1, N, K)
-    q = torch.empty(flat.shape[0], N, K // 2, dtype=torch.uint8, device=w.device)
-    sc = torch.empty(flat.shape[0], N, K // MX_BLOCK, dtype=torch.uint8, device=w.device)
-    step = max(1, MX_CHUNK // (N * K))
-    for i in range(0, flat.shape[0], step):
-        q[i: i + step], sc[i: i + step] = _mx_quantize(flat[i: i + step])
+    q, sc = (torch.empty(flat.shape[0], N, n, dtype=torch.uint8, device=w.device) for n in (K // 2, K // MX_BLOCK))
+    _by_matrices(_mx_quantize, (flat,), (q, sc), N * K)
     return q.view(*lead, N, K // 2), sc.view(*lead, N, K // MX_BLOCK)
+
+
+def _by_matrices(fn, inputs, outs, values_per_matrix: int) -> None:
+    """outs[j][i] = fn(*inputs)[j][i] over stacked matrices i, a few matrices (<= MX_CHUNK values) a call: the same
+    result as one call, without every value's temporaries at once."""
+    step = max(1, MX_CHUNK // values_per_matrix)
+    for i in range(0, inputs[0].shape[0], step):
+        for o, r in zip(outs, fn(*(t[i: i + step] for t in inputs))):
+            o[i: i + step] = r
 
 
 def _mx_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,14 +158,12 @@ def mx_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     """The reference: q [..., N, K/2] uint8, scale [..., N, K/32] uint8 -> [..., N, K] in dtype (each e2m1 value
     times 2^(s - 127) in fp32, rounded once). A stack larger than MX_CHUNK values: a few matrices at a time."""
     *lead, N, Kh = q.shape
-    if lead and 2 * q.numel() > MX_CHUNK:
-        fq, fs = q.reshape(-1, N, Kh), scale.reshape(-1, N, scale.shape[-1])
-        out = torch.empty(fq.shape[0], N, 2 * Kh, dtype=dtype, device=q.device)
-        step = max(1, MX_CHUNK // (2 * N * Kh))
-        for i in range(0, fq.shape[0], step):
-            out[i: i + step] = _mx_dequantize(fq[i: i + step], fs[i: i + step], dtype)
-        return out.view(*lead, N, 2 * Kh)
-    return _mx_dequantize(q, scale, dtype)
+    if not lead or 2 * q.numel() <= MX_CHUNK:
+        return _mx_dequantize(q, scale, dtype)
+    fq, fs = q.reshape(-1, N, Kh), scale.reshape(-1, N, scale.shape[-1])
+    out = torch.empty(fq.shape[0], N, 2 * Kh, dtype=dtype, device=q.device)
+    _by_matrices(lambda a, b: (_mx_dequantize(a, b, dtype),), (fq, fs), (out,), 2 * N * Kh)
+    return out.view(*lead, N, 2 * Kh)
 
 
 def _mx_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
