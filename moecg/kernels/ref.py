@@ -207,8 +207,8 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
 def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize: bool, out_dtype, logit_bias=None,
                cast_last: bool = False):
     """a [T, D] or [T, S, D] (the attention output, or its partial rows: linear_partials), residual [T, D] -> (new
-    residual, normed [T, D], idx [T, K], weights [T, K]): add_rmsnorm, the router linear (router_w [E, D], no bias; output in the model dtype), + logit_bias [E] (moecg's
-    router skew, in the logits' dtype), softmax_topk."""
+    residual, normed [T, D], idx [T, K], weights [T, K]): add_rmsnorm, the router linear (router_w [E, D], no bias;
+    output in the model dtype), + logit_bias [E] (moecg's router skew, in the logits' dtype), softmax_topk."""
     res, h = add_rmsnorm(a[:, None] if a.dim() == 2 else a, residual, weight, eps, cast_last=cast_last)
     logits = torch.nn.functional.linear(h, router_w)
     if logit_bias is not None:
