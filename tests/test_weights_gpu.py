@@ -43,6 +43,26 @@ def test_fp8_gemv_is_the_dequantized_gemv(T, N, K, parts):
             _close(tri.linear(x, w, tiles=tiles), tri.linear(x, w.dense(), tiles=tiles), 1e-2)
 
 
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("N,K", [(2048, 4096), (4096, 4096 + 320)])  # Qwen3-30B-A3B's o projection; a ragged K
+@pytest.mark.parametrize("fp8", [True, False])
+def test_split_k_partial_rows_sum_to_the_projection(T, N, K, fp8):
+    # linear_partials: S fp32 partial rows over whole K steps whose sum is the unsplit GEMV (another order of sums)
+    g = torch.Generator(device="cuda").manual_seed(T + K)
+    wf = torch.randn(N, K, device="cuda", generator=g) * 0.02
+    w = quantize_stacked(wf, 1, BF) if fp8 else wf.to(BF)
+    x = torch.randn(T, K, device="cuda", generator=g).to(BF)
+    whole = ref.linear(x, w).float()
+    for tiles in (GemvTiles(16, 256, 4, 3, split_k=2), GemvTiles(16, 256, 4, 3, split_k=4),
+                  GemvTiles(32, 128, 4, 3, split_k=8)):
+        parts = tri.linear_partials(x, w, tiles=tiles)
+        assert parts.dtype == torch.float32 and parts.shape[0] == T and parts.shape[2] == N, (parts.shape, tiles)
+        assert 1 < parts.shape[1] <= tiles.split_k, (parts.shape, tiles)
+        _close(parts.sum(1), whole)
+        if fp8:  # the same splits on the dequantized weight: the same operands
+            _close(parts, tri.linear_partials(x, w.dense(), tiles=tiles), 1e-2)
+
+
 @pytest.mark.parametrize("T", [1, 8, 32])
 @pytest.mark.parametrize("shape", [(2048, 768, 128, 8), (4096, 1408, 64, 6)])  # Qwen3-30B-A3B, DeepSeek-V2-Lite-ish
 def test_fp8_moe_kernels_are_the_dequantized_kernels(shape, T):
