@@ -19,7 +19,7 @@ import triton.language as tl
 from bench_kernels import graph_time_us
 
 from moecg.kernels.quant import mx_tile
-from moecg.models.weights import mx_dequantize, mx_quantize
+from moecg.models.formats import mx_dequantize, mx_quantize
 from moecg.report import env_fields, write_report
 
 

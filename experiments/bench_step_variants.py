@@ -45,7 +45,7 @@ from moecg.engine import DecodeEngine
 from moecg.floor import step_floor_ms
 from moecg.kernels import gemv, tiles as tiles_mod, triton_ops
 from moecg.models import build_model
-from moecg.models.weights import FORMATS
+from moecg.models.formats import FORMATS
 from moecg.report import env_fields, write_report
 from profile_step import kernel_table  # same directory: the per-kernel profile
 

@@ -47,7 +47,7 @@ from moecg.fidelity import agreement, top2_margins
 from moecg.floor import step_floor_ms
 from moecg.report import env_fields, write_report
 from moecg.models import build_model
-from moecg.models.weights import FORMATS
+from moecg.models.formats import FORMATS
 
 
 def sync(dev):

@@ -23,7 +23,7 @@ from bench_kernels import graph_time_us  # same directory: one graph of back-to-
 
 from moecg.kernels import ref, triton_ops as tri
 from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles
-from moecg.models.weights import BlockFp8, Mxfp4, mx_quantize, quantize_stacked
+from moecg.models.formats import BlockFp8, Mxfp4, mx_quantize, quantize_stacked
 from moecg.report import env_fields, write_report
 
 BF = torch.bfloat16

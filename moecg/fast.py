@@ -49,7 +49,8 @@ from moecg.kernels import get_ops, ref
 # what the fused step runs is declared beside the family facts (models/adapter.py), which never import this module
 from moecg.models.adapter import FUSED_FEATURES, FUSED_ROUTER_KINDS, UnsupportedConfigError, adapter_for
 from moecg.models.skew import router_logit_bias
-from moecg.models.weights import BLOCK, BlockFp8, fuse_rows, stored
+from moecg.models.formats import BLOCK, BlockFp8, fuse_rows
+from moecg.models.weights import stored
 
 __all__ = ["FUSED_FEATURES", "FUSED_ROUTER_KINDS", "FastDecode", "FastPathError", "check_supported"]
 
@@ -108,7 +109,7 @@ def _fuse(params: list, align: int = 1) -> tuple:
     A lone parameter that needs no padding is returned itself (0 bytes: nothing copied).
     align: pad the rows to a multiple (zero rows at the end), so a GEMM's output rows stay 16-byte aligned;
     an odd row count (e.g. 2*5632 + 1 + 60) sends cuBLAS to a slow unaligned kernel.
-    Block-FP8 weights (moecg.models.weights.BlockFp8, all of them or none) fuse into one, values and scales.
+    Block-FP8 weights (moecg.models.formats.BlockFp8, all of them or none) fuse into one, values and scales.
     """
     rows = sum(p.shape[0] for p in params)
     pad = -rows % align

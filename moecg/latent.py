@@ -31,7 +31,7 @@ __all__ = ["LatentAttention", "build", "rope_tables", "project_q_kv", "attend"]
 @dataclass
 class LatentAttention:
     # [Qa + C + R (+ pad), D]: q_a_proj (or q_proj) | kv_a_proj_with_mqa, concatenated (a copy); block-FP8
-    # projections: a moecg.models.weights.BlockFp8 (wqb too)
+    # projections: a moecg.models.formats.BlockFp8 (wqb too)
     wa: torch.Tensor
     ba: torch.Tensor | None  # its bias (zeros where a part has none), when any part has one
     q_rows: int  # Qa: q_lora_rank, or H * (Dn + R) without a q LoRA

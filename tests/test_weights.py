@@ -20,9 +20,10 @@ from moecg.fast import FastDecode
 from moecg.floor import expert_bytes, floor_bytes
 from moecg.harness import run_experiment
 from moecg.models import adapter_for, build_model
-from moecg.models.weights import (BLOCK, FP4_VALUES, FP8, FP8_MAX, BlockFp8, Fp8Linear, Mxfp4, WeightFormatError,
-                                  dequantize, dequantize_model, fuse_rows, mx_dequantize, mx_quantize, quantize,
-                                  save_checkpoint, stored, weight_bytes)
+from moecg.models.checkpoint import save_checkpoint
+from moecg.models.formats import (BLOCK, FP4_VALUES, FP8, FP8_MAX, BlockFp8, Mxfp4, WeightFormatError, dequantize,
+                                  fuse_rows, mx_dequantize, mx_quantize, quantize)
+from moecg.models.weights import Fp8Linear, dequantize_model, stored, weight_bytes
 from moecg.plan import PlanError, resolve_plan
 
 CONF_DIR = Path(moecg.__file__).parent / "conf"
@@ -79,7 +80,7 @@ def test_fused_rows_dequantize_to_the_parts_stacked():
 
 def test_mx_quantization_in_chunks_gives_the_same_bytes(monkeypatch):
     """A stack larger than MX_CHUNK values (a whole layer's experts) is quantized a few matrices at a time."""
-    from moecg.models import weights as W
+    from moecg.models import formats as W
 
     torch.manual_seed(0)
     w = torch.randn(5, 2, 24, 64) * torch.logspace(-3, 1, 64)

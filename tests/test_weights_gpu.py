@@ -21,7 +21,7 @@ from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import GemvTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
-from moecg.models.weights import Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
+from moecg.models.formats import Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
 
 BF = torch.bfloat16
 

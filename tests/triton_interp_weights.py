@@ -20,7 +20,7 @@ from moecg.dispatch.base import Dispatcher  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import GemvTiles, MoeTiles  # noqa: E402
-from moecg.models.weights import BLOCK, Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
+from moecg.models.formats import BLOCK, Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
 
 from moecg.models import build_model  # noqa: E402
 

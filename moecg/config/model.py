@@ -18,7 +18,8 @@ from transformers.utils import (is_flash_attn_2_available, is_flash_attn_3_avail
 from moecg.config.readers import PlanError, as_float, as_int
 from moecg.models import FAMILIES, PRESETS, _attn_implementation, make_config, shipped_checkpoint
 from moecg.models.adapter import ADAPTERS
-from moecg.models.weights import FORMATS, MX_BLOCK, WeightFormatError, checkpoint_format
+from moecg.models.formats import FORMATS, MX_BLOCK, WeightFormatError
+from moecg.models.checkpoint import checkpoint_format
 from moecg.models.zoo import family_of_config
 
 
@@ -34,7 +35,7 @@ class ModelConfig:
     dtype: Any = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     router_skew: Any = 0.0  # >= 0; 0 = HF router; > 0 biases logits toward a few experts per layer (Zipf-like)
     attn_implementation: Any = "sdpa"  # HF's attention; a preset whose family has no sdpa (GPT-OSS's sinks) gets eager
-    # how the weights are stored (moecg.models.weights.FORMATS): full | fp8_block | mxfp4; null: as built (presets,
+    # how the weights are stored (moecg.models.formats.FORMATS): full | fp8_block | mxfp4; null: as built (presets,
     # shipped models: full) or as the checkpoint stores them (model=local: its quantization_config)
     weights: Any = None
 
@@ -156,7 +157,7 @@ class ModelPlan:
     family: str
     config: object = field(repr=False, compare=False)  # the HF config the model will be built from
     layers: int = 0  # decoder layers the model will have
-    weights: str = "full"  # the weight format it is built in (moecg.models.weights.FORMATS)
+    weights: str = "full"  # the weight format it is built in (moecg.models.formats.FORMATS)
 
 
 def options() -> dict[str, ModelConfig]:

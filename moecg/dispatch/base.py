@@ -14,7 +14,8 @@ from typing import ClassVar
 import torch
 
 from moecg.dispatch.state import LayerCounters
-from moecg.models.weights import EXPERT_PARAMS, dense, stored
+from moecg.models.formats import EXPERT_PARAMS
+from moecg.models.weights import dense, stored
 
 REGISTRY: dict[str, type["Dispatcher"]] = {}
 
@@ -115,7 +116,7 @@ def check_experts(experts) -> None:
 def expert_weights(experts):
     """(gate_up [E, D, 2I], down [E, I, D], gate_up_bias [E, 2I] | None, down_bias [E, D] | None): the weights as
     [E, Din, Dout] views whatever the module's layout (HF's `is_transposed`: GPT-OSS stores them that way), in the
-    model dtype: quantized experts are dequantized by the format's reference (moecg.models.weights), every call."""
+    model dtype: quantized experts are dequantized by the format's reference (moecg.models.formats), every call."""
     gate_up, down = (dense(stored(experts, n)) for n in EXPERT_PARAMS)
     if not getattr(experts, "is_transposed", False):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)

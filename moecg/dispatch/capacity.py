@@ -22,7 +22,8 @@ import torch
 
 from moecg.dispatch.base import Dispatcher, expert_mlp_padded, register
 from moecg.dispatch.triton_path import TritonPath, kernel_spec
-from moecg.models.weights import EXPERT_PARAMS, compute_dtype, stored
+from moecg.models.formats import EXPERT_PARAMS
+from moecg.models.weights import compute_dtype, stored
 from moecg.moe_math import DROP_POLICIES, add_counters, assign_slots, capacity, kept_weights
 
 

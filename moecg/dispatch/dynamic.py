@@ -1,5 +1,5 @@
 """`dynamic`: HF's own eager experts loop, the reference. `nonzero()` + a Python loop over hit experts: not graph-safe.
-Quantized experts (moecg.models.weights) run the same loop on their dequantized weights.
+Quantized experts (moecg.models.formats) run the same loop on their dequantized weights.
 
 Dims: T tokens, K top-k, E experts, D hidden.
 """

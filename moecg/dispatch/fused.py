@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from moecg.dispatch.base import register
 from moecg.dispatch.dropless import Dropless
 from moecg.dispatch.triton_path import TritonPath, kernel_spec
-from moecg.models.weights import EXPERT_PARAMS, stored
+from moecg.models.formats import EXPERT_PARAMS
+from moecg.models.weights import stored
 
 
 @register

@@ -18,7 +18,7 @@ import triton.language as tl
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
 from moecg.kernels.quant import check_block_k, dequant_tile
-from moecg.models.weights import BlockFp8
+from moecg.models.formats import BlockFp8
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def silu_mul(gu, inter: int):
 # this is one kernel with no workspace. Which shapes take it: moecg.kernels.tiles.gemv_tiles (a table from bench_gemv.py).
 # The same kernel serves per-head projections (head_linear: program_id(1) is the head, with its strides; W may be a
 # strided view, s_wk its K stride); the plain linear has one head and s_wk 1.
-# A block-FP8 weight (QROWS > 0: e4m3 values, fp32 scales ws [N / QROWS, K / 128], moecg.models.weights) is
+# A block-FP8 weight (QROWS > 0: e4m3 values, fp32 scales ws [N / QROWS, K / 128], moecg.models.formats) is
 # dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot;
 # program_id(2) then takes BLOCK_T rows each, so any T runs it.
 # Split-K (linear_partials, GemvTiles.split_k = S > 1): program_id(1) takes one of S column ranges of K (a whole

@@ -17,7 +17,7 @@ import triton.language as tl
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
 from moecg.kernels.quant import check_block_k, check_mx_k, dequant_tile, mx_dot
-from moecg.models.weights import BlockFp8, Mxfp4
+from moecg.models.formats import BlockFp8, Mxfp4
 
 
 # dropless MoE for small token counts (decode): grid (expert, row block, column block). Each program finds the
@@ -57,7 +57,7 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
              ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
     """act(gate, up) of assignments `rows` [BLOCK_M] (token = row // K) for expert e's columns block nb
     -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask).
-    QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.weights), each tile
+    QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.formats), each tile
     dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot.
     MX: the weights are mxfp4, packed [E, 2I, D / 2] (s_wk: a byte's stride) with scales ws [E, 2I, D / 32]
     (moecg.kernels.quant.mx_dot)."""
@@ -297,7 +297,7 @@ class ExpertArgs:
 
     def __init__(self, gate_up, down, spec=None, gate_up_bias=None, down_bias=None):
         transposed = spec is not None and spec.transposed
-        # block-FP8 weights (moecg.models.weights.BlockFp8): the kernels read values and scales, (ptr, strides, rows);
+        # block-FP8 weights (moecg.models.formats.BlockFp8): the kernels read values and scales, (ptr, strides, rows);
         # mxfp4 ones (Mxfp4) are output-row major whatever the module's layout
         self.up_scale, gate_up = _scale_args(gate_up, transposed)
         self.down_scale, down = _scale_args(down, transposed)

@@ -1,4 +1,4 @@
-"""The quantized weight tiles the GEMM kernels dequantize in registers (moecg.models.weights), each as its format's
+"""The quantized weight tiles the GEMM kernels dequantize in registers (moecg.models.formats), each as its format's
 reference does (fp32 products rounded once to the compute dtype), so a kernel's tl.dot sees the reference's weights:
 - block-FP8 (dequant_tile): e4m3 values, one fp32 scale per QROWS weight rows x 128 columns. Shared by the GEMV
   (gemv.py) and the MoE kernels (moe.py, capacity.py).
@@ -19,7 +19,7 @@ import triton.language as tl
 @triton.jit
 def dequant_tile(w, srow_ptr, k0, K, s_sk, nmask, dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """w [BLOCK_N, BLOCK_K] e4m3 (columns k0 ..) -> the same tile in dt, each value times its block's scale in fp32
-    and rounded once, as the reference (moecg.models.weights.dequantize). srow_ptr [BLOCK_N]: each row's scale row."""
+    and rounded once, as the reference (moecg.models.formats.dequantize). srow_ptr [BLOCK_N]: each row's scale row."""
     if BLOCK_K <= 128:  # the tile sits inside one scale column (k0 is a multiple of BLOCK_K)
         s = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask, other=0.0)  # [BLOCK_N]
         out = (w.to(tl.float32) * s[:, None]).to(dt)
@@ -54,7 +54,7 @@ def _e2m1(c):
 def mx_tile(wrow_ptr, srow_ptr, k0, K, s_wk, s_sk, nmask, dt: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr):
     """Columns k0 .. k0 + BLOCK_K of BLOCK_N mxfp4 weight rows -> [BLOCK_N, BLOCK_K] in dt, as the reference
-    (moecg.models.weights.mx_dequantize). wrow_ptr [BLOCK_N, 1]: each row's packed bytes (stride s_wk a byte pair
+    (moecg.models.formats.mx_dequantize). wrow_ptr [BLOCK_N, 1]: each row's packed bytes (stride s_wk a byte pair
     of columns), srow_ptr [BLOCK_N]: its scale bytes (stride s_sk per 32 columns); columns from K on read as zeros."""
     HALF: tl.constexpr = BLOCK_K // 2
     NS: tl.constexpr = BLOCK_K // 32

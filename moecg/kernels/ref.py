@@ -268,7 +268,7 @@ def route_topk_softmax(logits, top_k: int):
 # ------------------------------------------------------------------------------------------------------------
 def linear(x, w, bias=None, tiles=None):
     """x [T, K] @ w [N, K]^T (+ bias [N]) -> [T, N] in x's dtype: F.linear (cuBLAS on CUDA), fp32 accumulation,
-    rounded once. w: a tensor, or a block-FP8 weight (moecg.models.weights.BlockFp8), dequantized first.
+    rounded once. w: a tensor, or a block-FP8 weight (moecg.models.formats.BlockFp8), dequantized first.
     tiles: the Triton GEMV's tile choice (moecg.kernels.tiles.GemvTiles); no meaning here."""
     return F.linear(x, dense(w), bias)
 

@@ -65,7 +65,7 @@ MOE_TILE_RULES: tuple[TileRule, ...] = (
 )
 
 
-# Block-FP8 experts (moecg.models.weights), ahead of the rules above: at batch 1 the dropless kernels stream their
+# Block-FP8 experts (moecg.models.formats), ahead of the rules above: at batch 1 the dropless kernels stream their
 # few experts faster with 256-wide K steps and 3 stages (Qwen3-30B-A3B's layer, H200, bench_weights_kernels.py:
 # 24.7 us against 27.1 at the default tiles; at T 8 the default stays best, 87 us).
 FP8_MOE_TILE_RULES: tuple[TileRule, ...] = (

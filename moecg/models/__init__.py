@@ -9,9 +9,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from moecg.models.adapter import ADAPTERS, FamilyAdapter, adapter_for
+from moecg.models.checkpoint import checkpoint_format, load_checkpoint
 from moecg.models.skew import apply_router_skew, remove_router_skew
-from moecg.models.weights import (checkpoint_format, dequantize_model, load_checkpoint, mark_quantized,
-                                   quantize_layer, quantize_model, weight_format)
+from moecg.models.weights import dequantize_model, mark_quantized, quantize_layer, quantize_model, weight_format
 from moecg.models.zoo import FAMILIES, PRESETS, family_of_config, make_config
 
 __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "FamilyAdapter", "adapter_for", "apply_router_skew",
@@ -55,7 +55,7 @@ class BuiltModel:
     device: torch.device
     dtype: torch.dtype
     build_s: float
-    weights: str = "full"  # the weight format (moecg.models.weights.FORMATS)
+    weights: str = "full"  # the weight format (moecg.models.formats.FORMATS)
 
 
 LAYER_SEED = 1_000_003  # layer i of a build seeded `seed` draws its values from seed * LAYER_SEED + i + 1
@@ -108,7 +108,7 @@ def build_model(preset: str | None = None, *, pretrained_path: str | None = None
                 attn_implementation: str = "sdpa", config_overrides: dict | None = None,
                 weights: str | None = None) -> BuiltModel:
     """Build an HF MoE model in eval mode, weights created directly on `device` in `dtype`, then stored in format
-    `weights` (moecg.models.weights.FORMATS; None: as built or as the checkpoint stores them)."""
+    `weights` (moecg.models.formats.FORMATS; None: as built or as the checkpoint stores them)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
