@@ -164,6 +164,14 @@ def test_tile_table():
     rule = TileRule(MoeTiles(block_m=32), tokens=(17, 65), hidden=(2048, 2049))
     assert rule.holds(17, 2048, 1408, 60) and not rule.holds(16, 2048, 1408, 60) and not rule.holds(17, 4096, 1, 1)
     assert MOE_TILE_RULES[0].holds(1, 4096, 8192, 8) and not MOE_TILE_RULES[0].holds(1, 4096, 8191, 8)
+    # a format's rules come first, at batch 1 only; an unknown format is no silent default
+    for fmt in ("fp8_block", "mxfp4"):
+        t1, t8 = moe_tiles(1, 2880, 2880, 128, fmt), moe_tiles(8, 2880, 2880, 128, fmt)
+        assert (t1.up_k, t1.down_k, t1.stages) == (256, 256, 3) and t8 == DEFAULT, fmt
+        assert moe_tiles(1, 4096, 14336, 8, fmt) == mixtral  # Mixtral-sized experts: past the format rule's range
+    assert moe_tiles(1, 2880, 2880, 128, "full") == DEFAULT
+    with pytest.raises(KeyError):
+        moe_tiles(1, 2880, 2880, 128, "fp4")
 
 
 def _interp(section, timeout=600):

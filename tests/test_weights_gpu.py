@@ -21,6 +21,7 @@ from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import GemvTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
+from moecg.models.adapter import ExpertSpec  # noqa: E402
 from moecg.models.formats import Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
 
 BF = torch.bfloat16
@@ -91,6 +92,34 @@ def test_mxfp4_moe_kernels_are_the_dequantized_kernels(shape, T):
     t = moe_tiles(T, D, I, E)
     for tiles in (t, replace(t, up_k=256, down_k=256, stages=3), replace(t, up_k=32, down_k=32)):
         _moe_checks(x, idx, w, gate_up, down, tiles)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_mxfp4_moe_output_tiles_change_no_value(T):
+    """GPT-OSS-120B's layer dims with its experts' arithmetic (interleaved clamped SwiGLU, biases), 16 of its experts:
+    the output-column tiles (up_n, down_n) change which program computes a column, the K steps how many columns a
+    step takes; every tiling within bf16 rounding of the reference and of the table's tiles."""
+    D, I, E, K = 2880, 2880, 16, 4
+    g = torch.Generator(device="cuda").manual_seed(T)
+    gate_up = Mxfp4(*mx_quantize(torch.randn(E, 2 * I, D, device="cuda", generator=g) * 0.02), BF)
+    down = Mxfp4(*mx_quantize(torch.randn(E, D, I, device="cuda", generator=g) * 0.02), BF)
+    spec = ExpertSpec("swiglu_clamp", True, False, True, 1.702, 7.0)
+    bu = (torch.randn(E, 2 * I, device="cuda", generator=g) * 0.1).to(BF)
+    bd = (torch.randn(E, D, device="cuda", generator=g) * 0.1).to(BF)
+    x = torch.randn(T, D, device="cuda", generator=g).to(BF)
+    idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
+    w = torch.rand(T, K, device="cuda", generator=g).to(BF)
+    kw = {"spec": spec, "gate_up_bias": bu, "down_bias": bd}
+    want = ref.moe_experts(x, idx, w, gate_up, down, **kw)
+    t = moe_tiles(T, D, I, E)
+    base = tri.moe_experts(x, idx, w, gate_up, down, tiles=t, **kw)
+    _close(base, want)
+    for tiles in (replace(t, down_n=32), replace(t, up_n=32, down_n=32), replace(t, up_n=128),
+                  replace(t, up_k=256, down_k=256, stages=3), replace(t, down_n=32, up_k=256, down_k=256, stages=3)):
+        got = tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles, **kw)
+        print(f"mxfp4 T {T} {tiles}: max |diff| against the table's tiles {float((got.float() - base.float()).abs().max()):.3e}")
+        _close(got, want)
+        _close(got, base, 1e-2)
 
 
 def _moe_checks(x, idx, w, gate_up, down, tiles):

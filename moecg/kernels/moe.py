@@ -305,6 +305,7 @@ class ExpertArgs:
             raise ValueError("mxfp4 experts: gate_up_proj and down_proj are both mxfp4 or neither")
         if self.up_scale["MX"]:
             transposed = False
+        self.weights = "mxfp4" if self.up_scale["MX"] else "fp8_block" if self.up_scale["QROWS"] else "full"
         self.act = 0 if spec is None or spec.act == "silu" else 1
         if self.act and spec.act != "swiglu_clamp":
             raise ValueError(f"expert activation {spec.act!r}: the MoE kernel knows silu and swiglu_clamp")
@@ -341,7 +342,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         raise ValueError(f"grid={grid!r}: choose auto, expert or slot")
     by_slot = grid == "slot" or (grid == "auto" and S < E)
     P = S if by_slot else E
-    t = tiles or _tiles.moe_tiles(T, D, inter, E, quantized=bool(a.up_scale["QROWS"]))
+    t = tiles or _tiles.moe_tiles(T, D, inter, E, a.weights)
     split = t.down_split if down_bias is None else 1  # a biased down projection keeps one pass (bias before round)
     bm = t.block_m
     m_blocks = triton.cdiv(T, bm)  # an expert gets at most one assignment per token

@@ -1,7 +1,7 @@
 """Tile choices of the MoE expert kernels, as one table keyed by shape and passed to the kernels as arguments.
 
 Dims: T tokens (rows of the step: the captured bucket), D hidden, I expert intermediate, E experts.
-`moe_tiles(T, D, I, E)` walks MOE_TILE_RULES in order and returns the tiles of the first rule whose ranges hold the
+`moe_tiles(T, D, I, E, weights)` walks the experts' format's rules (FORMAT_TILE_RULES) and then MOE_TILE_RULES in order and returns the tiles of the first rule whose ranges hold the
 shape (each range half-open, [lo, hi)); DEFAULT where none does. Both kernel families read it: the dropless kernels
 (`moe.moe_experts`) and the capacity kernels (`capacity.capacity_experts`), which run the same GEMM tiles
 on other rows. A caller that sweeps tiles passes `tiles=MoeTiles(...)` instead (experiments/bench_kernels.py).
@@ -73,9 +73,19 @@ FP8_MOE_TILE_RULES: tuple[TileRule, ...] = (
 )
 
 
-def moe_tiles(T: int, D: int, I: int, E: int, quantized: bool = False) -> MoeTiles:  # noqa: E741
-    """quantized: the experts are block-FP8 (FP8_MOE_TILE_RULES first)."""
-    return _first((FP8_MOE_TILE_RULES if quantized else ()) + MOE_TILE_RULES, DEFAULT, T, D, I, E)
+# mxfp4 experts, ahead of the rules above: at batch 1 the same 256-wide K steps and 3 stages (GPT-OSS-120B's layer,
+# 12 layers of its fused step, H200, bench_step_variants.py, experiments/results/weights_whole/mx_tiles_12_layers.md:
+# 1.703 ms a step against 1.885 at the default tiles, the same bits; at bs 8 they were slower, 5.26 against 4.25).
+# Other mxfp4 shapes (Qwen3-30B-A3B's experts in mxfp4) are not measured with them.
+MX_MOE_TILE_RULES: tuple[TileRule, ...] = (
+    TileRule(MoeTiles(up_k=256, down_k=256, stages=3), tokens=(1, 2), weight=(0, 32 * 2**20)),
+)
+FORMAT_TILE_RULES = {"full": (), "fp8_block": FP8_MOE_TILE_RULES, "mxfp4": MX_MOE_TILE_RULES}  # by model.weights
+
+
+def moe_tiles(T: int, D: int, I: int, E: int, weights: str = "full") -> MoeTiles:  # noqa: E741
+    """weights: the experts' format (model.weights: full, fp8_block, mxfp4), whose rules come first."""
+    return _first(FORMAT_TILE_RULES[weights] + MOE_TILE_RULES, DEFAULT, T, D, I, E)
 
 
 # -- small-batch linears (the decode step's qkv and o projections) ------------------------------------------------
