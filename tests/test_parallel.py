@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 
 import ep_projection_worker as epw
 import ep_worker
-from moecg.dispatch import Capacity, DispatchState, make_dispatcher
+from moecg.dispatch import Capacity, DispatchState
 from moecg.dispatch.dropless import Dropless
 from moecg.parallel import EPCapacity, EPDropless, EPGroup, parallelize
 from moecg.plan import PlanError, resolve_plan

@@ -8,8 +8,6 @@ megatron-core's MoEAlltoAllTokenDispatcher (dropless, eager and under partial) a
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch

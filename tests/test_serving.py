@@ -5,7 +5,6 @@ transformers' continuous batching as the anchor, and the CLI. CPU, fp32, tiny pr
 import json
 
 import pytest
-import torch
 
 from moecg import schema
 from moecg.capture import Capture
