@@ -4,7 +4,8 @@ reference-dequantized weights (it dequantizes in registers as the reference does
 match the PyTorch dequantize-then-matmul reference within 1e-4: the GEMV (any T, bias, scale groups of 128 and of
 fewer rows), the dropless MoE kernels (expert and slot grids, split-K down, pad rows, counters) and the capacity
 kernels; the same MoE and capacity kernels on mxfp4 experts (K steps of one and of several 32-column scale groups,
-a ragged last one) and GPT-OSS's transposed, biased, interleaved experts in mxfp4 through the whole fused step.
+a ragged last one), GPT-OSS's experts arithmetic on bf16 activations at several output tilings (the same bits) and
+GPT-OSS's transposed, biased, interleaved experts in mxfp4 through the whole fused step.
 Prints ALL OK when every check passes; any mismatch raises.
 Dims: T tokens, K top-k, E experts, D hidden, I expert intermediate, N/K a projection's.
 """
@@ -20,6 +21,7 @@ from moecg.dispatch.base import Dispatcher  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import GemvTiles, MoeTiles  # noqa: E402
+from moecg.models.adapter import ExpertSpec  # noqa: E402
 from moecg.models.formats import BLOCK, Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
 
 from moecg.models import build_model  # noqa: E402
@@ -123,6 +125,22 @@ for T, K, cf in ((6, 2, 0.5), (3, 2, 1.0)):
     assert torch.equal(got, tri.capacity_experts(x, idx, w, gate_up.dense(), down.dense(), capacity_factor=cf,
                                                  tiles=tiles)), (T, K, cf)
     close(got, ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf), 1e-4)
+# GPT-OSS's experts arithmetic (interleaved clamped SwiGLU, biases) on bf16 activations: the output-column tiles
+# (up_n, down_n) and the K steps change no value (the GPU test asks the same of the compiled tl.dot_scaled)
+spec = ExpertSpec("swiglu_clamp", True, False, True, 1.702, 7.0)
+BF = torch.bfloat16
+gate_up16, down16 = (Mxfp4(t.q, t.scale, BF) for t in (gate_up, down))
+kw = {"spec": spec, "gate_up_bias": (torch.randn(E, 2 * I) * 0.1).to(BF), "down_bias": (torch.randn(E, D) * 0.1).to(BF)}
+for T in (1, 3):
+    x = torch.randn(T, D).to(BF)
+    idx = torch.stack([torch.randperm(E)[:2] for _ in range(T)]).int()
+    w = torch.rand(T, 2).to(BF)
+    base = tri.moe_experts(x, idx, w, gate_up16, down16, tiles=MoeTiles(), **kw)
+    want = ref.moe_experts(x, idx, w, gate_up16, down16, **kw)
+    close(base, want, 2e-2 * float(want.float().abs().max()))  # bf16 rounding of each GEMM's output
+    for tiles in (MoeTiles(down_n=32), MoeTiles(up_n=32, down_n=32), MoeTiles(up_n=128),
+                  MoeTiles(up_k=256, down_k=256, stages=3)):
+        assert torch.equal(tri.moe_experts(x, idx, w, gate_up16, down16, tiles=tiles, **kw), base), (T, tiles)
 model = build_model("gpt_oss_tiny", dtype="fp32", device="cpu", seed=4, weights="mxfp4").model
 fused_backends_agree(model, torch.randint(0, 100, (2, 5)), 16, 3, "gpt_oss_tiny mxfp4")
 
