@@ -117,7 +117,8 @@ def test_mxfp4_moe_output_tiles_change_no_value(T):
     for tiles in (replace(t, down_n=32), replace(t, up_n=32, down_n=32), replace(t, up_n=128),
                   replace(t, up_k=256, down_k=256, stages=3), replace(t, down_n=32, up_k=256, down_k=256, stages=3)):
         got = tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles, **kw)
-        print(f"mxfp4 T {T} {tiles}: max |diff| against the table's tiles {float((got.float() - base.float()).abs().max()):.3e}")
+        diff = float((got.float() - base.float()).abs().max())
+        print(f"mxfp4 T {T} {tiles}: max |diff| against the table's tiles {diff:.3e}")
         _close(got, want)
         _close(got, base, 1e-2)
 

@@ -1,10 +1,11 @@
 """Tile choices of the MoE expert kernels, as one table keyed by shape and passed to the kernels as arguments.
 
 Dims: T tokens (rows of the step: the captured bucket), D hidden, I expert intermediate, E experts.
-`moe_tiles(T, D, I, E, weights)` walks the experts' format's rules (FORMAT_TILE_RULES) and then MOE_TILE_RULES in order and returns the tiles of the first rule whose ranges hold the
-shape (each range half-open, [lo, hi)); DEFAULT where none does. Both kernel families read it: the dropless kernels
-(`moe.moe_experts`) and the capacity kernels (`capacity.capacity_experts`), which run the same GEMM tiles
-on other rows. A caller that sweeps tiles passes `tiles=MoeTiles(...)` instead (experiments/bench_kernels.py).
+`moe_tiles(T, D, I, E, weights)` walks the experts' format's rules (FORMAT_TILE_RULES), then MOE_TILE_RULES, in order
+and returns the tiles of the first rule whose ranges hold the shape (each range half-open, [lo, hi)); DEFAULT where
+none does. Both kernel families read it: the dropless kernels (`moe.moe_experts`, with their format) and the capacity
+kernels (`capacity.capacity_experts`, the bf16 rules whatever the format), which run the same GEMM tiles on other
+rows. A caller that sweeps tiles passes `tiles=MoeTiles(...)` instead (experiments/bench_kernels.py).
 
 The values come from experiments/bench_kernels.py on an H200 (experiments/results/kernels/): 64x128 tiles, 4 warps,
 4 stages are best or within 3% for the Qwen shapes at bs 1-32; Mixtral-sized experts (I*D >= 32M, i.e. 4096 x 14336)

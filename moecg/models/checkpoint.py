@@ -1,6 +1,6 @@
-"""Checkpoints of a quantized model in the published layouts (HF's per-expert tensor names; block-FP8: `<weight>_scale_inv`
-beside each e4m3 weight, mxfp4: GPT-OSS's `<name>_blocks` / `<name>_scales`), saved and loaded, and the weight format
-a checkpoint's config says (`quantization_config`), refused where moecg does not know it.
+"""Checkpoints of a quantized model in the published layouts (HF's per-expert tensor names; block-FP8:
+`<weight>_scale_inv` beside each e4m3 weight, mxfp4: GPT-OSS's `<name>_blocks` / `<name>_scales`), saved and loaded,
+and the weight format a checkpoint's config says (`quantization_config`), refused where moecg does not know it.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from moecg.models.formats import BLOCK, FP8, MX_BLOCK, MX_SCALES, SCALE, WeightFormatError
 from moecg.models.weights import Fp8Linear, weight_format
+
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 MX_CONFIG = {"quant_method": "mxfp4"}  # GPT-OSS's (its modules_to_not_convert: what is not quantized, read as such)
 MX_KEYS = ("quant_method", "modules_to_not_convert")
