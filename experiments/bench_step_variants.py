@@ -23,6 +23,9 @@ Variants (names: `+`-joined switches on top of `base`):
   ok=N     the o projection on the Triton GEMV split N ways over K (GemvTiles.split_k: fp32 partial rows that the
            norm after it adds), on the table's tiles (bf16 shapes the table leaves to cuBLAS: 16 x 256)
   F=N      a MoE tile field (moecg.kernels.tiles.MoeTiles: up_n, up_k, down_n, down_k, warps, stages, block_m)
+  g.F=N    a field of the GEMV's tiles (moecg.kernels.tiles.GemvTiles: block_n, block_k, warps, stages, rows) over
+           what the tables pick for every projection (fp8_gemv_tiles, gemv_tiles; where gemv_tiles says cuBLAS, over
+           GemvTiles(): the projection then runs the Triton GEMV)
 Each variant is captured (strategy full, capture.kernels=fused, dispatch=fused, the one bucket = the batch) and
 timed by CUDA events over --replays back-to-back replays, median of --repeats; the step's logits from one fixed
 state are compared with base's: variants without split-K must give the same bits (they run the same arithmetic),
@@ -51,6 +54,7 @@ from profile_step import kernel_table  # same directory: the per-kernel profile
 
 SWITCHES = ("slot", "overlap", "router", "gemv", "gemv1")
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.MoeTiles) if f.name != "down_split")
+GEMV_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.GemvTiles) if f.name != "split_k")
 
 
 def parse_variant(name: str) -> dict:
@@ -69,11 +73,13 @@ def parse_variant(name: str) -> dict:
             v["ok"] = int(p[3:])
         elif p[:3] in ("mb=", "as=") and p[3:].isdigit():  # the attention's merge block / split count
             v[p[:2]] = int(p[3:])
+        elif p.startswith("g.") and "=" in p and p[2:].split("=")[0] in GEMV_FIELDS:  # e.g. g.rows=1
+            v.setdefault("gemv_tiles", {})[p[2:].split("=")[0]] = int(p.split("=")[1])
         elif "=" in p and p.split("=")[0] in TILE_FIELDS:  # a MoE tile field, e.g. down_n=32
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ok=N, F=N)")
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ok=N, F=N, g.F=N)")
     return v
 
 
@@ -81,11 +87,17 @@ MOE_EXPERTS, MOE_TILES = triton_ops.moe_experts, tiles_mod.moe_tiles  # the orig
 ATTN_DECODE = triton_ops.attn_decode
 LINEAR_PARTIALS = triton_ops.linear_partials
 GEMV_RULES, NORM_WARPS = tiles_mod.GEMV_RULES, tiles_mod.norm_warps
+FP8_GEMV_TILES, GEMV_TILES = tiles_mod.fp8_gemv_tiles, tiles_mod.gemv_tiles
 
 
 def set_variant(v: dict) -> None:
     moe, tiles_of = MOE_EXPERTS, MOE_TILES
     tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
+    f = v.get("gemv_tiles")
+    tiles_mod.fp8_gemv_tiles = FP8_GEMV_TILES if not f else (
+        lambda T, N, K: dataclasses.replace(FP8_GEMV_TILES(T, N, K), **f))
+    tiles_mod.gemv_tiles = GEMV_TILES if not f else (
+        lambda T, N, K: dataclasses.replace(GEMV_TILES(T, N, K) or tiles_mod.GemvTiles(), **f))
     tiles_mod.GEMV_RULES = (GEMV_RULES if v["gemv"] else ()) if not v["gemv1"] else tuple(  # (): all cuBLAS
         dataclasses.replace(r, tiles=dataclasses.replace(r.tiles, pdl_trigger=False)) for r in GEMV_RULES)
 
@@ -185,13 +197,15 @@ def main(argv=None):
             diff = float((logits - ref_logits).abs().max())
             same = bool(torch.equal(logits, ref_logits))
             row = {"batch_size": bs, "variant": name, "ms": ms, "floor_ms": floor, "x_floor": ms / floor,
-                   "same_bits_as_first": same, "max_logit_diff": diff, **{k: v[k] for k in v if k != "tiles"},
-                   "tiles": v.get("tiles", {})}
+                   "same_bits_as_first": same, "max_logit_diff": diff,
+                   **{k: v[k] for k in v if k not in ("tiles", "gemv_tiles")}, "tiles": v.get("tiles", {}),
+                   "gemv_tiles": v.get("gemv_tiles", {})}
             results.append(row)
             print(json.dumps(row), flush=True)
             if table:
                 tables.append((name, bs, ms, table))
     triton_ops.moe_experts, triton_ops.attn_decode, triton_ops.linear_partials = MOE_EXPERTS, ATTN_DECODE, LINEAR_PARTIALS
+    tiles_mod.fp8_gemv_tiles, tiles_mod.gemv_tiles = FP8_GEMV_TILES, GEMV_TILES
     head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, weights {built.weights}, "
             f"{env_fields()['device_name']}, "
             f"prompt {args.prompt_len}, cache {args.cache_len}; captured full+fused step, ms (CUDA events, "

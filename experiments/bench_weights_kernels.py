@@ -48,11 +48,12 @@ def time_us(fns, replays=20):
         return float("nan")
 
 
-def cases(full, quant, t0, variants):
-    """(format, weight sets, tiles): bf16 at the table's tiles, each quantized format over the variants too."""
-    yield "bf16", full, [t0]
+def cases(full, quant, t0, variants, fma):
+    """(format, weight sets, tiles): bf16 at the table's tiles and the CUDA-core (block_m < 16) ones, each quantized
+    format over the variants too."""
+    yield "bf16", full, [t0, *fma]
     for fmt, sets in quant.items():
-        yield fmt, sets, [t0, *variants]
+        yield fmt, sets, [t0, *variants, *fma]
 
 
 QUANTIZERS = {"fp8_block": lambda w, parts: quantize_stacked(w, parts, BF),
@@ -94,13 +95,23 @@ def main(argv=None):
                 MoeTiles(up_k=64, down_k=64, stages=8), MoeTiles(warps=8), MoeTiles(up_k=256, down_k=256, warps=8,
                                                                                     stages=3),
                 MoeTiles(up_n=32, down_n=32, up_k=256, down_k=256, warps=8, stages=3)]
+    # the products on the CUDA cores (block_m < 16: no padded rows, no operand layout change): 3-d accumulators of
+    # up_n x up_k (two: gate and up) and down_n x down_k fp32 values a program, kept within 64 registers a thread
+    fma = [MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256, stages=3),
+           MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256, stages=4),
+           MoeTiles(block_m=1, up_n=8, up_k=512, down_n=8, down_k=512, stages=3),
+           MoeTiles(block_m=1, up_n=32, up_k=128, down_n=32, down_k=128, stages=4),
+           MoeTiles(block_m=1, up_n=16, up_k=128, down_n=16, down_k=128, stages=6),
+           MoeTiles(block_m=1, up_n=16, up_k=512, down_n=16, down_k=512, warps=8, stages=3),
+           MoeTiles(block_m=1, up_n=32, up_k=256, down_n=32, down_k=256, warps=8, stages=3),
+           MoeTiles(block_m=2, up_n=16, up_k=256, down_n=16, down_k=256, stages=3)]
     for T in (1, 8):
         x = torch.randn(T, D, device="cuda", generator=g).to(BF)
         idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
         w = torch.rand(T, K, device="cuda", generator=g).to(BF)
         hit = idx.unique().long()
         t0 = moe_tiles(T, D, I, E)
-        for fmt, sets, tile_set in cases(full, quant, t0, variants):
+        for fmt, sets, tile_set in cases(full, quant, t0, variants, fma):
             gb = nbytes(sets[0][0], hit) + nbytes(sets[0][1], hit)
             for t in tile_set:
                 t = MoeTiles(**{**t.__dict__, "down_split": t0.down_split})
@@ -111,7 +122,7 @@ def main(argv=None):
                 row("moe_experts", T, fmt, t, us, gb, err)
         # capacity: every expert's weights once
         if T == 8:
-            for fmt, sets, tile_set in cases(full, quant, t0, variants):
+            for fmt, sets, tile_set in cases(full, quant, t0, variants, fma):
                 gb = nbytes(sets[0][0]) + nbytes(sets[0][1])
                 for t in tile_set:
                     fns = [lambda gu=gu, dn=dn, t=t: tri.capacity_experts(x, idx, w, gu, dn, capacity_factor=1.25,
@@ -126,10 +137,16 @@ def main(argv=None):
         qs = [quantize_stacked(wi.float(), 1, BF) for wi in ws]
         grid = [GemvTiles(bn, bk, wp, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for wp in (4, 8)
                 for st in (3, 4)]
+        # one row a program, its products on the CUDA cores (batch 1): an accumulator of block_n x block_k fp32
+        fma = [GemvTiles(bn, bk, wp, st, rows=1) for bn, bk in ((8, 256), (16, 256), (8, 512), (16, 512), (32, 128),
+                                                                (4, 1024)) for wp in (4, 8) for st in (3, 4)]
         for T in (1, 8):
             x = torch.randn(T, Kd, device="cuda", generator=g).to(BF)
             row(name, T, "bf16", "ops.linear", time_us([lambda wi=wi: tri.linear(x, wi) for wi in ws]), nbytes(ws[0]))
-            for t in grid:
+            for t in fma if T == 1 else ():  # the Triton GEMV on bf16 weights, one row a program
+                row(name, T, "bf16", t, time_us([lambda wi=wi, t=t: tri.linear(x, wi, tiles=t) for wi in ws]),
+                    nbytes(ws[0]))
+            for t in grid + (fma if T == 1 else []):
                 fns = [lambda wi=wi, t=t: tri.linear(x, wi, tiles=t) for wi in qs]
                 us = time_us(fns)
                 err = float((fns[0]() - ref.linear(x, qs[0])).abs().max()) if us == us else None

@@ -19,7 +19,7 @@ from moecg.capture import Capture  # noqa: E402
 from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
-from moecg.kernels.tiles import GemvTiles, moe_tiles  # noqa: E402
+from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 from moecg.models.adapter import ExpertSpec  # noqa: E402
 from moecg.models.formats import Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
@@ -121,6 +121,57 @@ def test_mxfp4_moe_output_tiles_change_no_value(T):
         print(f"mxfp4 T {T} {tiles}: max |diff| against the table's tiles {diff:.3e}")
         _close(got, want)
         _close(got, base, 1e-2)
+
+
+CORE_MOE_TILES = (MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256, stages=3),
+                  MoeTiles(block_m=2, up_n=32, up_k=128, down_n=32, down_k=128, warps=8, stages=4))
+
+
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("weights", ["full", "fp8_block", "mxfp4"])
+def test_moe_kernels_on_the_cuda_cores_are_the_reference(weights, T):
+    """block_m < 16: the MoE and capacity kernels' products on the CUDA cores (fp32, no tl.dot) in every format,
+    Qwen3-30B-A3B's layer dims: within bf16 rounding of the reference and of the tensor-core tiles."""
+    D, I, E, K = 2048, 768, 128, 8
+    g = torch.Generator(device="cuda").manual_seed(T)
+    gu, dn = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * 0.02,
+              torch.randn(E, D, I, device="cuda", generator=g) * 0.02)
+    if weights == "fp8_block":
+        gate_up, down = quantize_stacked(gu, 2, BF), quantize_stacked(dn, 1, BF)
+    elif weights == "mxfp4":
+        gate_up, down = Mxfp4(*mx_quantize(gu), BF), Mxfp4(*mx_quantize(dn), BF)
+    else:
+        gate_up, down = gu.to(BF), dn.to(BF)
+    x = torch.randn(T, D, device="cuda", generator=g).to(BF)
+    idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
+    w = torch.rand(T, K, device="cuda", generator=g).to(BF)
+    on_mma = tri.moe_experts(x, idx, w, gate_up, down, tiles=moe_tiles(T, D, I, E, weights))
+    for tiles in CORE_MOE_TILES:
+        got = tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles)
+        _close(got, ref.moe_experts(x, idx, w, gate_up, down))
+        _close(got, on_mma, 1e-2)
+        for cf in (0.5, 1.25):
+            _close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf, tiles=tiles),
+                   ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf))
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_gemv_on_the_cuda_cores_is_the_reference(fp8, T):
+    """GemvTiles.rows < 16: the GEMV's products on the CUDA cores, unsplit and split over K (Qwen3-30B-A3B's qkv and
+    o shapes), against the reference and the tensor-core GEMV."""
+    g = torch.Generator(device="cuda").manual_seed(T)
+    for N, K in ((5120, 2048), (2048, 4096)):
+        wf = torch.randn(N, K, device="cuda", generator=g) * 0.02
+        w = quantize_stacked(wf, 1, BF) if fp8 else wf.to(BF)
+        x = torch.randn(T, K, device="cuda", generator=g).to(BF)
+        want = ref.linear(x, w)
+        on_mma = tri.linear(x, w, tiles=GemvTiles(16, 512, 4, 3))
+        for tiles in (GemvTiles(16, 256, 4, 3, rows=1), GemvTiles(8, 512, 8, 4, rows=1), GemvTiles(32, 128, rows=2)):
+            got = tri.linear(x, w, tiles=tiles)
+            _close(got, want)
+            _close(got, on_mma, 1e-2)
+            _close(tri.linear_partials(x, w, tiles=replace(tiles, split_k=4)).sum(1), want.float())
 
 
 def _moe_checks(x, idx, w, gate_up, down, tiles):

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
-from moecg.kernels.quant import check_block_k, dequant_tile
+from moecg.kernels.quant import check_block_k, dequant_tile, mac, mac_init, mac_sum
 from moecg.models.formats import BlockFp8
 
 
@@ -48,7 +48,8 @@ def silu_mul(gu, inter: int):
 
 # ------------------------------------------------------------------------------------------------------------
 # small-batch linear y [T, N] = x [T, K] @ w [N, K]^T (+ bias): one program per BLOCK_N output columns streams its
-# rows of W once for all T rows (T <= 16: one tl.dot row block), fp32 accumulation, bias added before the one
+# rows of W once for all T rows (T <= 16: one tl.dot row block; GemvTiles.rows < 16: that many rows a program, their
+# products on the CUDA cores, for batch 1), fp32 accumulation, bias added before the one
 # rounding (as cuBLAS's epilogue). cuBLAS runs some of these decode shapes as a split-K GEMM plus a reduce kernel;
 # this is one kernel with no workspace. Which shapes take it: moecg.kernels.tiles.gemv_tiles (a table from bench_gemv.py).
 # The same kernel serves per-head projections (head_linear: program_id(1) is the head, with its strides; W may be a
@@ -82,7 +83,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     nm = n < N
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    DOT: tl.constexpr = BLOCK_T >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
+    acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < k_hi
@@ -90,7 +92,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
         if QROWS:
             w = dequant_tile(w, ws_ptr + (n // QROWS) * s_sn, k0, K, s_sk, nm, x.dtype, BLOCK_N, BLOCK_K)
-        acc += tl.dot(x, tl.trans(w))
+        acc = mac(x, w, acc, DOT)
+    acc = mac_sum(acc, DOT)
     if HAS_BIAS:  # split: once, in the first split's partial
         b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
         if SPLIT > 1:
@@ -116,8 +119,10 @@ def linear(x, w, bias=None, tiles=None):
                                                                                 bias.stride(0) != 1):
         return F.linear(x, w, bias)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    launch(_gemv_kernel, (triton.cdiv(N, t.block_n),), x, w, bias if bias is not None else y, y, T, N, K,
-            x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=16, BLOCK_N=t.block_n,
+    rows = min(t.rows, GEMV_MAX_T)
+    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, rows)), x, w, bias if bias is not None else y,
+            y, T, N, K, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=rows,
+            BLOCK_N=t.block_n,
             BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device, t.pdl_trigger))
     return y
 
@@ -149,9 +154,10 @@ def linear_partials(x, w, bias=None, tiles=None):
     y = torch.empty(S, T, N, dtype=torch.float32, device=x.device)
     q, extra = (w.q, {"ws_ptr": w.scale, "s_sn": w.scale.stride(0), "s_sk": w.scale.stride(1), "QROWS": w.rows}) \
         if fp8 else (w, {})
-    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), S, triton.cdiv(T, GEMV_MAX_T)), x, q,
+    rows = min(t.rows, GEMV_MAX_T)
+    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), S, triton.cdiv(T, rows)), x, q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), q.stride(0), y.stride(1),
-           HAS_BIAS=bias is not None, BLOCK_T=GEMV_MAX_T, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
+           HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
            num_stages=t.stages, SPLIT=S, kper=kper, s_ys=y.stride(0), **extra, **pdl_args(x.device, t.pdl_trigger))
     return y.transpose(0, 1)  # [T, S, N]
 
@@ -163,9 +169,10 @@ def _linear_fp8(x, w, bias, tiles):
     assert x.stride(1) == 1 and w.q.stride(1) == 1 and (bias is None or bias.stride(0) == 1)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     s = w.scale
-    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, GEMV_MAX_T)), x, w.q,
+    rows = min(t.rows, GEMV_MAX_T)
+    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, rows)), x, w.q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), w.q.stride(0), y.stride(0),
-           HAS_BIAS=bias is not None, BLOCK_T=GEMV_MAX_T, BLOCK_N=t.block_n, BLOCK_K=check_block_k(t.block_k),
+           HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=check_block_k(t.block_k),
            num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows,
            **pdl_args(x.device, t.pdl_trigger))
     return y

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
-from moecg.kernels.quant import check_block_k, check_mx_k, dequant_tile, mx_dot
+from moecg.kernels.quant import check_block_k, check_mx_k, dequant_tile, mac, mac_init, mac_sum, mx_dot
 from moecg.models.formats import BlockFp8, Mxfp4
 
 
@@ -64,8 +64,9 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
     tok = rows // K
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    DOT: tl.constexpr = BLOCK_M >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
+    acc_g = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT)
+    acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT)
     jg = n * JM  # gate column of output n in the 2I dim
     ju = n * JM + JU
     wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
@@ -77,16 +78,18 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         if MX:
             we = w_ptr + e.to(tl.int64) * s_we
-            acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K)
-            acc_u = mx_dot(x, acc_u, we, ju, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K)
+            acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
+            acc_u = mx_dot(x, acc_u, we, ju, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
         else:
             g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
             u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
             if QROWS:
                 g = dequant_tile(g, sb + (jg // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
                 u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
-            acc_g = tl.dot(x, tl.trans(g), acc_g)
-            acc_u = tl.dot(x, tl.trans(u), acc_u)
+            acc_g = mac(x, g, acc_g, DOT)
+            acc_u = mac(x, u, acc_u, DOT)
+    acc_g = mac_sum(acc_g, DOT)
+    acc_u = mac_sum(acc_u, DOT)
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
     if HAS_BIAS:
@@ -114,7 +117,8 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     ([E, D, I / 2]), as up_tile's."""
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < D
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    DOT: tl.constexpr = BLOCK_M >= 16  # as up_tile's
+    acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT)
     wd = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -122,13 +126,14 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
         h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         if MX:
             acc = mx_dot(h, acc, w_ptr + e.to(tl.int64) * s_we, n, s_wn, s_wk, ws_ptr + e.to(tl.int64) * s_se, s_sj,
-                         s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K)
+                         s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
         else:
             w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
             if QROWS:
                 w = dequant_tile(w, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, k_hi, s_sk, nm,
                                  h.dtype, BLOCK_N, BLOCK_K)
-            acc = tl.dot(h, tl.trans(w), acc)
+            acc = mac(h, w, acc, DOT)
+    acc = mac_sum(acc, DOT)
     return acc, n, nm
 
 

@@ -7,13 +7,48 @@ reference does (fp32 products rounded once to the compute dtype), so a kernel's 
   e2m1 operand to bf16 times its scale, exact, in the MMA's operand layout: 1.6x the register decode's speed, measured
   by experiments/bench_mx_tile.py); other dtypes: the register decode (mx_tile), then tl.dot.
 
-Dims: BLOCK_N weight rows of the tile, BLOCK_K columns (block-FP8: a divisor or a multiple of 128; mxfp4: a multiple
-of 32), NS scale columns a tile spans.
+Also the product every GEMM tile loop shares (mac, mac_sum): on the tensor cores (tl.dot, 16 rows or more) or, for
+fewer rows (batch 1), as fp32 products on the CUDA cores, with no padded rows and no change of the weight tile's layout.
+
+Dims: BLOCK_M activation rows, BLOCK_N weight rows of the tile, BLOCK_K columns (block-FP8: a divisor or a multiple of
+128; mxfp4: a multiple of 32), NS scale columns a tile spans.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def mac_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    """The accumulator mac adds into: [BLOCK_M, BLOCK_N] fp32 for tl.dot, [BLOCK_M, BLOCK_N, BLOCK_K] otherwise (each
+    column's products kept apart until mac_sum, so the loop is one FMA per weight)."""
+    if DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def mac(x, w, acc, DOT: tl.constexpr):
+    """acc + x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] (x @ w^T). DOT: tl.dot (BLOCK_M >= 16). Else fp32
+    products x * w (exact for bf16 operands, as the MMA's) added per column into mac_init's 3-d accumulator."""
+    if DOT:
+        out = tl.dot(x, tl.trans(w), acc)
+    else:
+        out = acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return out
+
+
+@triton.jit
+def mac_sum(acc, DOT: tl.constexpr):
+    """mac's accumulator -> [BLOCK_M, BLOCK_N] fp32 sums (the CUDA-core path adds its columns here)."""
+    if DOT:
+        out = acc
+    else:
+        out = tl.sum(acc, axis=2)
+    return out
 
 
 @triton.jit
@@ -78,10 +113,15 @@ def check_mx_k(block_k: int) -> int:
 
 @triton.jit
 def mx_dot(x, acc, w_ptr, rows, s_wj, s_wk, s_ptr, s_sj, s_sk, k0, K, nmask, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr):
+           BLOCK_K: tl.constexpr, DOT: tl.constexpr = 1):
     """acc + x [BLOCK_M, BLOCK_K] @ W[rows, k0 : k0 + BLOCK_K]^T for mxfp4 W: packed bytes at w_ptr + row * s_wj +
-    (column / 2) * s_wk, scales at s_ptr + row * s_sj + (column / 32) * s_sk; rows [BLOCK_N], masked by nmask."""
-    if x.dtype == tl.bfloat16:
+    (column / 2) * s_wk, scales at s_ptr + row * s_sj + (column / 32) * s_sk; rows [BLOCK_N], masked by nmask.
+    DOT 0: mac's CUDA-core products on the register decode (acc: mac_init's)."""
+    if not DOT:
+        w = mx_tile(w_ptr + rows[:, None] * s_wj, s_ptr + rows * s_sj, k0, K, s_wk, s_sk, nmask, x.dtype, BLOCK_N,
+                    BLOCK_K)
+        out = mac(x, w, acc, DOT)
+    elif x.dtype == tl.bfloat16:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         wq = tl.load(w_ptr + rows[None, :] * s_wj + kb[:, None] * s_wk,
                      mask=nmask[None, :] & (kb < K // 2)[:, None], other=0)  # [BLOCK_K / 2, BLOCK_N]

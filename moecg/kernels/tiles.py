@@ -32,7 +32,7 @@ def _first(rules, default, *shape):
 
 @dataclass(frozen=True)
 class MoeTiles:
-    block_m: int = 16  # assignments (rows) of one expert per program; tl.dot needs >= 16
+    block_m: int = 16  # assignments (rows) of one expert per program: >= 16 on tl.dot, fewer on the CUDA cores
     up_n: int = 64  # gate/up output columns per program (of I)
     up_k: int = 128  # D step of the up GEMM's loop
     down_n: int = 64  # output columns per program (of D)
@@ -98,6 +98,7 @@ class GemvTiles:
     stages: int = 4
     pdl_trigger: bool = True  # under PDL mode 2, trigger the successor's launch at the start (False: as blocks exit)
     split_k: int = 1  # K split this many ways into fp32 partial rows the consumer adds (gemv.linear_partials only)
+    rows: int = 16  # rows of x per program: 16 on tl.dot; fewer (1 at batch 1): their products on the CUDA cores
 
 
 @dataclass(frozen=True)
