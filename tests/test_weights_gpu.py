@@ -19,7 +19,7 @@ from moecg.capture import Capture  # noqa: E402
 from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
-from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles  # noqa: E402
+from moecg.kernels.tiles import CORE_GEMV, GemvTiles, MoeTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 from moecg.models.adapter import ExpertSpec  # noqa: E402
 from moecg.models.formats import Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
@@ -167,7 +167,8 @@ def test_gemv_on_the_cuda_cores_is_the_reference(fp8, T):
         x = torch.randn(T, K, device="cuda", generator=g).to(BF)
         want = ref.linear(x, w)
         on_mma = tri.linear(x, w, tiles=GemvTiles(16, 512, 4, 3))
-        for tiles in (GemvTiles(16, 256, 4, 3, rows=1), GemvTiles(8, 512, 8, 4, rows=1), GemvTiles(32, 128, rows=2)):
+        for tiles in (CORE_GEMV, GemvTiles(16, 256, 4, 3, rows=1), GemvTiles(8, 512, 8, 4, rows=1),
+                      GemvTiles(32, 128, rows=2)):
             got = tri.linear(x, w, tiles=tiles)
             _close(got, want)
             _close(got, on_mma, 1e-2)

@@ -117,9 +117,17 @@ class GemvRule:
 # o (2048 x 2048) and qkv (6144 x 2048), -33 us a step at bs 1 and -52 at bs 8 over 24 layers. The K = 4096
 # projections (Qwen3's o, Mixtral's qkv and o) beat cuBLAS by 1.3-2.4 us a call in bench_gemv.py, but that bench chained
 # the GEMVs by PDL; inside the step they were no faster (Mixtral) or 3 us a layer slower (Qwen3), whatever the PDL
-# trigger: they stay on cuBLAS, as every shape not listed does.
+# trigger: above batch 1 they stay on cuBLAS, as every shape not listed does.
 _SMALL = (1, 17)
+# Batch 1 on Qwen3-30B-A3B's qkv (5120 x 2048) and o (2048 x 4096): one row a program, its products on the CUDA cores,
+# 4 columns x 2048-wide K steps (as many bytes in flight per program as the loop allows: the GEMV is latency-bound):
+# the 48-layer step 2.864 -> 2.692 ms (bench_step_variants.py, experiments/results/weights/core_step_bf16.md; 4 x
+# 1024 tiles 2.703). One kernel alone at 4 x 1024: 7.6 / 7.3 us against cuBLAS's 8.8 / 9.6 (bench_weights_kernels.py,
+# kernels_core.md).
+CORE_GEMV = GemvTiles(4, 2048, 4, 2, rows=1)
 GEMV_RULES: tuple[GemvRule, ...] = (
+    GemvRule(CORE_GEMV, tokens=(1, 2), out=(5120, 5121), inner=(2048, 2049)),
+    GemvRule(CORE_GEMV, tokens=(1, 2), out=(2048, 2049), inner=(4096, 4097)),
     GemvRule(GemvTiles(16, 512, 4, 3), tokens=_SMALL, out=(1024, 2049), inner=(2048, 2049)),
     GemvRule(GemvTiles(32, 128, 4, 4), tokens=_SMALL, out=(6144, 6145), inner=(2048, 2049)),
 )
@@ -134,8 +142,13 @@ def gemv_tiles(T: int, N: int, K: int) -> GemvTiles | None:
 # o 2048 x 4096 at T 1 and 8): 512-wide K steps win (each stage moves as many bytes as a 256-wide bf16 step), 32
 # columns per program for qkv (8.0 us, bf16's cuBLAS 8.2) and 16 for o, whose 2048 rows give too few programs
 # otherwise (8.8-9.0 us, cuBLAS 9.5-9.7; the former 64 x 128 tiles 17.8).
+# At batch 1 the CUDA-core tiles above (CORE_GEMV) on the same two shapes: the 48-layer FP8 step 2.857 -> 2.619 ms
+# (core_step_fp8.md); alone at 4 x 1024, qkv 7.0 us and o 6.3 against 8.0 and 8.8 (kernels_core.md). Other block-FP8 shapes (GLM-4.5-Air's D 4096) are not
+# measured with them.
 FP8_GEMV_DEFAULT = GemvTiles(32, 512, 4, 3)
 FP8_GEMV_RULES: tuple[GemvRule, ...] = (
+    GemvRule(CORE_GEMV, tokens=(1, 2), out=(5120, 5121), inner=(2048, 2049)),
+    GemvRule(CORE_GEMV, tokens=(1, 2), out=(2048, 2049), inner=(4096, 4097)),
     GemvRule(GemvTiles(16, 512, 4, 3), out=(0, 2049), inner=(4096, math.inf)),
 )
 
