@@ -19,7 +19,7 @@ from moecg.capture import Capture  # noqa: E402
 from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
-from moecg.kernels.tiles import CORE_GEMV, GemvTiles, MoeTiles, moe_tiles  # noqa: E402
+from moecg.kernels.tiles import CORE_GEMV, CORE_MOE, GemvTiles, MoeTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 from moecg.models.adapter import ExpertSpec  # noqa: E402
 from moecg.models.formats import Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
@@ -123,7 +123,7 @@ def test_mxfp4_moe_output_tiles_change_no_value(T):
         _close(got, base, 1e-2)
 
 
-CORE_MOE_TILES = (MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256, stages=3),
+CORE_MOE_TILES = (CORE_MOE, MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256, stages=3),
                   MoeTiles(block_m=2, up_n=32, up_k=128, down_n=32, down_k=128, warps=8, stages=4))
 
 
@@ -145,7 +145,7 @@ def test_moe_kernels_on_the_cuda_cores_are_the_reference(weights, T):
     x = torch.randn(T, D, device="cuda", generator=g).to(BF)
     idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
     w = torch.rand(T, K, device="cuda", generator=g).to(BF)
-    on_mma = tri.moe_experts(x, idx, w, gate_up, down, tiles=moe_tiles(T, D, I, E, weights))
+    on_mma = tri.moe_experts(x, idx, w, gate_up, down, tiles=moe_tiles(T, D, I, E))  # the bf16 rules: tl.dot
     for tiles in CORE_MOE_TILES:
         got = tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles)
         _close(got, ref.moe_experts(x, idx, w, gate_up, down))

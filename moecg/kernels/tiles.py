@@ -69,7 +69,15 @@ MOE_TILE_RULES: tuple[TileRule, ...] = (
 # Block-FP8 experts (moecg.models.formats), ahead of the rules above: at batch 1 the dropless kernels stream their
 # few experts faster with 256-wide K steps and 3 stages (Qwen3-30B-A3B's layer, H200, bench_weights_kernels.py:
 # 24.7 us against 27.1 at the default tiles; at T 8 the default stays best, 87 us).
+# On Qwen3-30B-A3B's experts (D 2048) the batch-1 products run on the CUDA cores (block_m 1: 16 x 256 tiles, 4x the
+# programs): inside the 48-layer captured step 2.640 -> 2.526 ms (and 2.857 -> 2.758 before the GEMV rules;
+# bench_step_variants.py, results/weights/core_step_fp8.md, core_fp8_moe.md), though alone, kernels from HBM with no
+# successor launched early, they are slower (28.2 us against 25.0, kernels_core.md): the step's PDL overlap favours
+# more, shorter programs (likely; not measured apart). The same tiles in bf16 made the step slower (2.864 -> 3.043 ms). Wider experts keep the
+# tensor-core rule below.
+CORE_MOE = MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256)
 FP8_MOE_TILE_RULES: tuple[TileRule, ...] = (
+    TileRule(CORE_MOE, tokens=(1, 2), hidden=(0, 2049)),
     TileRule(MoeTiles(up_k=256, down_k=256, stages=3), tokens=(1, 2), weight=(0, 32 * 2**20)),
 )
 
