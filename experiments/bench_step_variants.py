@@ -25,7 +25,8 @@ Variants (names: `+`-joined switches on top of `base`):
   F=N      a MoE tile field (moecg.kernels.tiles.MoeTiles: up_n, up_k, down_n, down_k, warps, stages, block_m)
   g.F=N    a field of the GEMV's tiles (moecg.kernels.tiles.GemvTiles: block_n, block_k, warps, stages, rows) over
            what the tables pick for every projection (fp8_gemv_tiles, gemv_tiles; where gemv_tiles says cuBLAS, over
-           GemvTiles(): the projection then runs the Triton GEMV)
+           GemvTiles(): the projection then runs the Triton GEMV); gn.F=N: the same over GemvTiles() on the
+           projections gemv_tiles leaves to cuBLAS only (the table's own shapes keep its tiles)
 Each variant is captured (strategy full, capture.kernels=fused, dispatch=fused, the one bucket = the batch) and
 timed by CUDA events over --replays back-to-back replays, median of --repeats; the step's logits from one fixed
 state are compared with base's: variants without split-K must give the same bits (they run the same arithmetic),
@@ -73,13 +74,14 @@ def parse_variant(name: str) -> dict:
             v["ok"] = int(p[3:])
         elif p[:3] in ("mb=", "as=") and p[3:].isdigit():  # the attention's merge block / split count
             v[p[:2]] = int(p[3:])
-        elif p.startswith("g.") and "=" in p and p[2:].split("=")[0] in GEMV_FIELDS:  # e.g. g.rows=1
-            v.setdefault("gemv_tiles", {})[p[2:].split("=")[0]] = int(p.split("=")[1])
+        elif p.split(".")[0] in ("g", "gn") and "=" in p and p.split(".")[-1].split("=")[0] in GEMV_FIELDS:
+            key = "gemv_tiles" if p.startswith("g.") else "gemv_new"  # e.g. g.rows=1, gn.rows=1
+            v.setdefault(key, {})[p.split(".")[-1].split("=")[0]] = int(p.split("=")[1])
         elif "=" in p and p.split("=")[0] in TILE_FIELDS:  # a MoE tile field, e.g. down_n=32
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ok=N, F=N, g.F=N)")
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ok=N, F=N, g.F=N, gn.F=N)")
     return v
 
 
@@ -96,8 +98,10 @@ def set_variant(v: dict) -> None:
     f = v.get("gemv_tiles")
     tiles_mod.fp8_gemv_tiles = FP8_GEMV_TILES if not f else (
         lambda T, N, K: dataclasses.replace(FP8_GEMV_TILES(T, N, K), **f))
-    tiles_mod.gemv_tiles = GEMV_TILES if not f else (
-        lambda T, N, K: dataclasses.replace(GEMV_TILES(T, N, K) or tiles_mod.GemvTiles(), **f))
+    fn = v.get("gemv_new")
+    tiles_mod.gemv_tiles = GEMV_TILES if not (f or fn) else (
+        lambda T, N, K: dataclasses.replace(GEMV_TILES(T, N, K) or tiles_mod.GemvTiles(), **f) if f else
+        (GEMV_TILES(T, N, K) or dataclasses.replace(tiles_mod.GemvTiles(), **fn)))
     tiles_mod.GEMV_RULES = (GEMV_RULES if v["gemv"] else ()) if not v["gemv1"] else tuple(  # (): all cuBLAS
         dataclasses.replace(r, tiles=dataclasses.replace(r.tiles, pdl_trigger=False)) for r in GEMV_RULES)
 
@@ -198,8 +202,8 @@ def main(argv=None):
             same = bool(torch.equal(logits, ref_logits))
             row = {"batch_size": bs, "variant": name, "ms": ms, "floor_ms": floor, "x_floor": ms / floor,
                    "same_bits_as_first": same, "max_logit_diff": diff,
-                   **{k: v[k] for k in v if k not in ("tiles", "gemv_tiles")}, "tiles": v.get("tiles", {}),
-                   "gemv_tiles": v.get("gemv_tiles", {})}
+                   **{k: v[k] for k in v if k not in ("tiles", "gemv_tiles", "gemv_new")},
+                   "tiles": v.get("tiles", {}), "gemv_tiles": v.get("gemv_tiles", {}), "gemv_new": v.get("gemv_new", {})}
             results.append(row)
             print(json.dumps(row), flush=True)
             if table:

@@ -8,11 +8,13 @@ but needs 15-50 s to compile per batch size. This module instead runs the same m
 large kernels, each with a pure-PyTorch reference (`moecg.kernels.ref`) and a Triton version:
 
   per layer: qkv GEMM (one, with bias) | q/k norm + rotary + KV write | decode attention (split contexts merged
-             in the kernel) | o GEMM (qkv and o: a Triton GEMV at small batches, ops.linear's table) | residual add + RMSNorm | router (+ shared expert gate/up + its gate) GEMM
+             in the kernel) | o GEMM | residual add + RMSNorm | router (+ shared expert gate/up + its gate) GEMM
              (one) | router kernel | [shared SiLU-mul | shared down GEMM, on a second stream] | routed experts
              (dispatcher) | shared gate + residual + next RMSNorm; a router that is its own linear (no shared
              expert) runs residual add + RMSNorm + router GEMV + top-k as one kernel (norm_route)
   dense layers: ... | gate/up GEMM (one) | SiLU-mul | down GEMM | residual + next RMSNorm
+  Every projection GEMM runs ops.linear: the Triton GEMV where moecg.kernels.tiles' table has a rule for its
+  (T, N, K), else cuBLAS (a block-FP8 weight: always the Triton GEMV).
 
 Families (FUSED_ROUTER_KINDS x FUSED_FEATURES, checked by FamilyAdapter.check_supported): Mixtral, Qwen2/3-MoE,
 GLM-4-MoE (sigmoid_group router: its fp32 GEMM runs apart from the shared expert's; partial rotary; q/k/v bias),
@@ -343,9 +345,6 @@ class FastDecode:
         self.owned_bytes += nbytes
         return cat
 
-    def _linear(self, x, w, b=None):
-        """A dense MLP's or shared expert's GEMM: cuBLAS on a model-dtype weight, the ops' GEMV on a block-FP8 one."""
-        return self.ops.linear(x, w, b) if isinstance(w, BlockFp8) else F.linear(x, w, b)
 
     def pdl_mode(self) -> int | None:
         """The PDL mode this step's Triton kernels launch with (None: it runs no Triton kernels)."""
@@ -467,12 +466,12 @@ class FastDecode:
                 if L.mlp is not None:
                     y = self.adapter.moe_output(L.mlp(h))  # [T, D]
                 else:
-                    y = self._linear(ops.silu_mul(self._linear(h, L.wcat), L.shared_inter), L.w_sdown)  # [T, D]
+                    y = ops.linear(ops.silu_mul(ops.linear(h, L.wcat), L.shared_inter), L.w_sdown)  # [T, D]
                 res, h = ops.add_rmsnorm(y[:, None], res, nw, neps, cast_last=cl)
                 continue
             side = None  # the shared expert's stream, once forked
             if not L.norm_route:  # (norm_route layers have their idx, w already, and no shared expert)
-                z = F.linear(h, L.wcat, L.bcat) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
+                z = ops.linear(h, L.wcat, L.bcat) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
                 side = self._side_stream() if L.shared_inter else None
                 if side is not None:  # fork: the shared expert starts once z exists, the routing goes on here
                     main = torch.cuda.current_stream(self.device)
@@ -489,7 +488,7 @@ class FastDecode:
             if L.shared_inter:
                 with torch.cuda.stream(side) if side is not None else _nullctx():
                     zs = ops.linear(h, L.wsh) if L.wsh is not None else z  # [T, 2Is ...]
-                    shared = self._linear(ops.silu_mul(zs, L.shared_inter), L.w_sdown)  # [T, D]
+                    shared = ops.linear(ops.silu_mul(zs, L.shared_inter), L.w_sdown)  # [T, D]
                 gate = z[:, L.shared_gate_col] if L.shared_gate_col is not None else None  # [T]
             y = self._experts(L, h, idx, w, valid, state, slot)  # [T, K or 1, D]
             if side is not None:  # join before the combine reads `shared`
