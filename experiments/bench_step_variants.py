@@ -201,7 +201,7 @@ def main(argv=None):
             diff = float((logits - ref_logits).abs().max())
             same = bool(torch.equal(logits, ref_logits))
             row = {"batch_size": bs, "variant": name, "ms": ms, "floor_ms": floor, "x_floor": ms / floor,
-                   "same_bits_as_first": same, "max_logit_diff": diff,
+                   "same_bits_as_first": same, "max_logit_diff": diff, "max_abs_logit": float(ref_logits.abs().max()),
                    **{k: v[k] for k in v if k not in ("tiles", "gemv_tiles", "gemv_new")},
                    "tiles": v.get("tiles", {}), "gemv_tiles": v.get("gemv_tiles", {}), "gemv_new": v.get("gemv_new", {})}
             results.append(row)
@@ -214,11 +214,12 @@ def main(argv=None):
             f"{env_fields()['device_name']}, "
             f"prompt {args.prompt_len}, cache {args.cache_len}; captured full+fused step, ms (CUDA events, "
             f"{args.replays} replays x median of {args.repeats})")
-    lines = [head, "", "| bs | variant | ms | x floor | floor ms | same bits as first | max logit diff |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [head, "", "| bs | variant | ms | x floor | floor ms | same bits as first | max logit diff | first's "
+             "max abs logit |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['batch_size']} | {r['variant']} | {r['ms']:.3f} | {r['x_floor']:.2f} | "
-                     f"{r['floor_ms']:.3f} | {r['same_bits_as_first']} | {r['max_logit_diff']:.2e} |")
+                     f"{r['floor_ms']:.3f} | {r['same_bits_as_first']} | {r['max_logit_diff']:.2e} | "
+                     f"{r['max_abs_logit']:.3g} |")
     for name, bs, ms, table in tables:
         lines += ["", f"per kernel, {name} bs {bs} ({ms:.3f} ms per step):", "",
                   "| kernel | us/step | share | calls/step |", "|---|---|---|---|"]

@@ -281,7 +281,7 @@ def test_kernels_compile_for_hopper():
     from moecg.kernels.tiles import GEMV_RULES
     for i, rule in enumerate(GEMV_RULES):  # the small-batch GEMV at the table's tiles
         t = rule.tiles
-        build(gemv._gemv_kernel, dict(HAS_BIAS=i == 0, BLOCK_T=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, USE_PDL=2),
+        build(gemv._gemv_kernel, dict(HAS_BIAS=i == 0, BLOCK_T=min(t.rows, 16), BLOCK_N=t.block_n, BLOCK_K=t.block_k, USE_PDL=2),
               stages=t.stages)
     # split-K partial rows (fp32) on bf16 and on block-FP8 weights, and the router kernel that adds them
     build(gemv._gemv_kernel, dict(HAS_BIAS=True, BLOCK_T=16, BLOCK_N=16, BLOCK_K=256, USE_PDL=2, SPLIT=4), stages=3)

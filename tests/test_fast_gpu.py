@@ -362,13 +362,16 @@ def test_capture_precompile_leaves_nothing_to_compile_and_same_bits(monkeypatch)
 
 @pytest.mark.parametrize("T", [1, 3, 8, 16])
 def test_small_batch_gemv_matches_cublas(T):
-    """triton_ops.linear (the Triton GEMV) at the qkv / o shapes of the three families (Qwen1.5's qkv with bias), at
-    the table's tiles and at others: within bf16 rounding of F.linear; above 16 rows it is F.linear."""
+    """triton_ops.linear (the Triton GEMV) at the qkv / o shapes of the families (Qwen1.5's and GPT-OSS's qkv with
+    bias; GPT-OSS's K 2880, V2-Lite's latent projection, shared-expert and dense-MLP shapes whose K no tile divides),
+    at the table's tiles and at others: within bf16 rounding of F.linear; above 16 rows it is F.linear."""
     from moecg.kernels.tiles import GemvTiles, gemv_tiles
 
     g = torch.Generator(device="cuda").manual_seed(T)
     for N, K, bias in ((6144, 2048, True), (2048, 2048, False), (5120, 2048, False), (2048, 4096, False),
-                       (6144, 4096, False), (4096, 4096, False), (100, 200, True)):
+                       (6144, 4096, False), (4096, 4096, False), (100, 200, True), (5120, 2880, True),
+                       (2880, 4096, True), (3648, 2048, False), (2048, 5632, False), (4096, 1408, False),
+                       (21888, 2048, False)):
         x = torch.randn(T, K, device="cuda", generator=g).to(BF)
         w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(BF)
         b = torch.randn(N, device="cuda", generator=g).to(BF) if bias else None

@@ -127,15 +127,19 @@ class GemvRule:
 # the GEMVs by PDL; inside the step they were no faster (Mixtral) or 3 us a layer slower (Qwen3), whatever the PDL
 # trigger: above batch 1 they stay on cuBLAS, as every shape not listed does.
 _SMALL = (1, 17)
-# Batch 1 on Qwen3-30B-A3B's qkv (5120 x 2048) and o (2048 x 4096): one row a program, its products on the CUDA cores,
-# 4 columns x 2048-wide K steps (as many bytes in flight per program as the loop allows: the GEMV is latency-bound):
-# the 48-layer step 2.864 -> 2.692 ms (bench_step_variants.py, experiments/results/weights/core_step_bf16.md; 4 x
-# 1024 tiles 2.703). One kernel alone at 4 x 1024: 7.6 / 7.3 us against cuBLAS's 8.8 / 9.6 (bench_weights_kernels.py,
-# kernels_core.md).
-CORE_GEMV = GemvTiles(4, 2048, 4, 2, rows=1)
+# Batch 1, every projection (qkv, o, the shared expert's and dense MLPs' GEMMs, MLA's fused q / latent projection):
+# one row a program, its products on the CUDA cores, 4 columns x 1024-wide K steps (the GEMV is latency-bound: as
+# many bytes in flight per program as the loop allows). In the captured step on an H200 (bench_step_variants.py,
+# experiments/results/step_variants/core_gemv_*.md), against the table before it (cuBLAS everywhere at batch 1 but
+# Qwen1.5's and OLMoE's qkv and o on the tensor-core tiles below, Qwen3's on 4 x 2048 CUDA-core tiles): Qwen1.5-MoE
+# 24 layers 1.905 -> 1.840 ms, DeepSeek-V2-Lite 27 layers 2.444 -> 2.290, OLMoE 16 layers 1.062 -> 0.988, GLM-4.5-Air
+# 8 layers 1.714 -> 1.678, Mixtral 8 layers 1.782 -> 1.765, GPT-OSS-20B 12 layers 2.274 -> 2.201; Qwen3-30B-A3B 48
+# layers 2.703 against 2.692 on 4 x 2048 (the same within noise). On the shared expert alone (the other
+# projections kept on the table) it is no faster than cuBLAS (Qwen1.5 1.919 ms, 4 x 2048 tiles): the gain is the
+# qkv / o and MLA projections'.
+CORE_GEMV = GemvTiles(4, 1024, 4, 3, rows=1)
 GEMV_RULES: tuple[GemvRule, ...] = (
-    GemvRule(CORE_GEMV, tokens=(1, 2), out=(5120, 5121), inner=(2048, 2049)),
-    GemvRule(CORE_GEMV, tokens=(1, 2), out=(2048, 2049), inner=(4096, 4097)),
+    GemvRule(CORE_GEMV, tokens=(1, 2)),
     GemvRule(GemvTiles(16, 512, 4, 3), tokens=_SMALL, out=(1024, 2049), inner=(2048, 2049)),
     GemvRule(GemvTiles(32, 128, 4, 4), tokens=_SMALL, out=(6144, 6145), inner=(2048, 2049)),
 )
@@ -150,13 +154,15 @@ def gemv_tiles(T: int, N: int, K: int) -> GemvTiles | None:
 # o 2048 x 4096 at T 1 and 8): 512-wide K steps win (each stage moves as many bytes as a 256-wide bf16 step), 32
 # columns per program for qkv (8.0 us, bf16's cuBLAS 8.2) and 16 for o, whose 2048 rows give too few programs
 # otherwise (8.8-9.0 us, cuBLAS 9.5-9.7; the former 64 x 128 tiles 17.8).
-# At batch 1 the CUDA-core tiles above (CORE_GEMV) on the same two shapes: the 48-layer FP8 step 2.857 -> 2.619 ms
-# (core_step_fp8.md); alone at 4 x 1024, qkv 7.0 us and o 6.3 against 8.0 and 8.8 (kernels_core.md). Other block-FP8 shapes (GLM-4.5-Air's D 4096) are not
-# measured with them.
+# At batch 1, CUDA-core tiles of 4 columns x 2048-wide K steps on the same two shapes: the 48-layer FP8 step 2.857 ->
+# 2.619 ms (bench_step_variants.py on an H200, that run's files not kept); alone, qkv 7.0 us and o 6.3 against 8.0
+# and 8.8 (bench_weights_kernels.py's CUDA-core variants, 4 x 1024). Other block-FP8 shapes (GLM-4.5-Air's D 4096)
+# are not measured with them.
 FP8_GEMV_DEFAULT = GemvTiles(32, 512, 4, 3)
+CORE_GEMV_FP8 = GemvTiles(4, 2048, 4, 2, rows=1)
 FP8_GEMV_RULES: tuple[GemvRule, ...] = (
-    GemvRule(CORE_GEMV, tokens=(1, 2), out=(5120, 5121), inner=(2048, 2049)),
-    GemvRule(CORE_GEMV, tokens=(1, 2), out=(2048, 2049), inner=(4096, 4097)),
+    GemvRule(CORE_GEMV_FP8, tokens=(1, 2), out=(5120, 5121), inner=(2048, 2049)),
+    GemvRule(CORE_GEMV_FP8, tokens=(1, 2), out=(2048, 2049), inner=(4096, 4097)),
     GemvRule(GemvTiles(16, 512, 4, 3), out=(0, 2049), inner=(4096, math.inf)),
 )
 
