@@ -19,7 +19,7 @@ from moecg.capture import Capture  # noqa: E402
 from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
-from moecg.kernels.tiles import CORE_GEMV, CORE_MOE, GemvTiles, MoeTiles, moe_tiles  # noqa: E402
+from moecg.kernels.tiles import CORE_GEMV, CORE_GEMV_FP8, CORE_MOE, GemvTiles, MoeTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 from moecg.models.adapter import ExpertSpec  # noqa: E402
 from moecg.models.formats import Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
@@ -159,15 +159,16 @@ def test_moe_kernels_on_the_cuda_cores_are_the_reference(weights, T):
 @pytest.mark.parametrize("fp8", [True, False])
 def test_gemv_on_the_cuda_cores_is_the_reference(fp8, T):
     """GemvTiles.rows < 16: the GEMV's products on the CUDA cores, unsplit and split over K (Qwen3-30B-A3B's qkv and
-    o shapes), against the reference and the tensor-core GEMV."""
+    o shapes; GLM-4.5-Air's shared-expert down, whose K no tile divides), against the reference and the tensor-core
+    GEMV."""
     g = torch.Generator(device="cuda").manual_seed(T)
-    for N, K in ((5120, 2048), (2048, 4096)):
+    for N, K in ((5120, 2048), (2048, 4096), (4096, 1408)):
         wf = torch.randn(N, K, device="cuda", generator=g) * 0.02
         w = quantize_stacked(wf, 1, BF) if fp8 else wf.to(BF)
         x = torch.randn(T, K, device="cuda", generator=g).to(BF)
         want = ref.linear(x, w)
         on_mma = tri.linear(x, w, tiles=GemvTiles(16, 512, 4, 3))
-        for tiles in (CORE_GEMV, GemvTiles(16, 256, 4, 3, rows=1), GemvTiles(8, 512, 8, 4, rows=1),
+        for tiles in (CORE_GEMV, CORE_GEMV_FP8, GemvTiles(16, 256, 4, 3, rows=1), GemvTiles(8, 512, 8, 4, rows=1),
                       GemvTiles(32, 128, rows=2)):
             got = tri.linear(x, w, tiles=tiles)
             _close(got, want)

@@ -71,8 +71,9 @@ MOE_TILE_RULES: tuple[TileRule, ...] = (
 # 24.7 us against 27.1 at the default tiles; at T 8 the default stays best, 87 us).
 # On Qwen3-30B-A3B's experts (D 2048) the batch-1 products run on the CUDA cores (block_m 1: 16 x 256 tiles, 4x the
 # programs): inside the 48-layer captured step 2.640 -> 2.526 ms (and 2.857 -> 2.758 before the GEMV rules;
-# bench_step_variants.py, results/weights/core_step_fp8.md, core_fp8_moe.md), though alone, kernels from HBM with no
-# successor launched early, they are slower (28.2 us against 25.0, kernels_core.md): the step's PDL overlap favours
+# bench_step_variants.py; again at the later GEMV table 2.628 -> 2.526, results/step_variants/
+# core_qwen3_30b_a3b_48_fp8_block.md), though alone, kernels from HBM with no successor launched early, they are slower
+# (28.2 us against 25.0, bench_weights_kernels.py's CUDA-core variants, files not kept): the step's PDL overlap favours
 # more, shorter programs (likely; not measured apart). The same tiles in bf16 made the step slower (2.864 -> 3.043 ms). Wider experts keep the
 # tensor-core rule below.
 CORE_MOE = MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256)
@@ -154,15 +155,15 @@ def gemv_tiles(T: int, N: int, K: int) -> GemvTiles | None:
 # o 2048 x 4096 at T 1 and 8): 512-wide K steps win (each stage moves as many bytes as a 256-wide bf16 step), 32
 # columns per program for qkv (8.0 us, bf16's cuBLAS 8.2) and 16 for o, whose 2048 rows give too few programs
 # otherwise (8.8-9.0 us, cuBLAS 9.5-9.7; the former 64 x 128 tiles 17.8).
-# At batch 1, CUDA-core tiles of 4 columns x 2048-wide K steps on the same two shapes: the 48-layer FP8 step 2.857 ->
-# 2.619 ms (bench_step_variants.py on an H200, that run's files not kept); alone, qkv 7.0 us and o 6.3 against 8.0
-# and 8.8 (bench_weights_kernels.py's CUDA-core variants, 4 x 1024). Other block-FP8 shapes (GLM-4.5-Air's D 4096)
-# are not measured with them.
+# At batch 1 every block-FP8 projection on CUDA-core tiles of 4 columns x 2048-wide K steps (one row a program): on
+# Qwen3-30B-A3B's qkv and o the 48-layer FP8 step 2.857 -> 2.619 ms (bench_step_variants.py on an H200, that run's
+# files not kept; alone, qkv 7.0 us and o 6.3 against 8.0 and 8.8, bench_weights_kernels.py's CUDA-core variants at
+# 4 x 1024); on GLM-4.5-Air (8 layers, D 4096, every projection) 1.416 -> 1.373 ms, 4 x 1024 tiles 1.393
+# (experiments/results/step_variants/core_gemv_glm4_5_air_fp8_block.md). Other block-FP8 shapes are not measured.
 FP8_GEMV_DEFAULT = GemvTiles(32, 512, 4, 3)
 CORE_GEMV_FP8 = GemvTiles(4, 2048, 4, 2, rows=1)
 FP8_GEMV_RULES: tuple[GemvRule, ...] = (
-    GemvRule(CORE_GEMV_FP8, tokens=(1, 2), out=(5120, 5121), inner=(2048, 2049)),
-    GemvRule(CORE_GEMV_FP8, tokens=(1, 2), out=(2048, 2049), inner=(4096, 4097)),
+    GemvRule(CORE_GEMV_FP8, tokens=(1, 2)),
     GemvRule(GemvTiles(16, 512, 4, 3), out=(0, 2049), inner=(4096, math.inf)),
 )
 
