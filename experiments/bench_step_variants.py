@@ -27,6 +27,8 @@ Variants (names: `+`-joined switches on top of `base`):
            what the tables pick for every projection (fp8_gemv_tiles, gemv_tiles; where gemv_tiles says cuBLAS, over
            GemvTiles(): the projection then runs the Triton GEMV); gn.F=N: the same over GemvTiles() on the
            projections gemv_tiles leaves to cuBLAS only (the table's own shapes keep its tiles)
+  hk.F=N   a field of MLA's per-head W_UK projection's tiles (moecg.kernels.tiles.head_tiles, N contiguous); hv.F=N:
+           W_UV's (K contiguous)
 Each variant is captured (strategy full, capture.kernels=fused, dispatch=fused, the one bucket = the batch) and
 timed by CUDA events over --replays back-to-back replays, median of --repeats; the step's logits from one fixed
 state are compared with base's: variants without split-K must give the same bits (they run the same arithmetic),
@@ -77,11 +79,13 @@ def parse_variant(name: str) -> dict:
         elif p.split(".")[0] in ("g", "gn") and "=" in p and p.split(".")[-1].split("=")[0] in GEMV_FIELDS:
             key = "gemv_tiles" if p.startswith("g.") else "gemv_new"  # e.g. g.rows=1, gn.rows=1
             v.setdefault(key, {})[p.split(".")[-1].split("=")[0]] = int(p.split("=")[1])
+        elif p.split(".")[0] in ("hk", "hv") and "=" in p and p.split(".")[-1].split("=")[0] in GEMV_FIELDS:
+            v.setdefault(p.split(".")[0], {})[p.split(".")[-1].split("=")[0]] = int(p.split("=")[1])  # e.g. hv.rows=1
         elif "=" in p and p.split("=")[0] in TILE_FIELDS:  # a MoE tile field, e.g. down_n=32
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ok=N, F=N, g.F=N, gn.F=N)")
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ok=N, F=N, g.F=N, gn.F=N, hk.F=N, hv.F=N)")
     return v
 
 
@@ -90,6 +94,7 @@ ATTN_DECODE = triton_ops.attn_decode
 LINEAR_PARTIALS = triton_ops.linear_partials
 GEMV_RULES, NORM_WARPS = tiles_mod.GEMV_RULES, tiles_mod.norm_warps
 FP8_GEMV_TILES, GEMV_TILES = tiles_mod.fp8_gemv_tiles, tiles_mod.gemv_tiles
+HEAD_TILES = tiles_mod.head_tiles
 
 
 def set_variant(v: dict) -> None:
@@ -102,6 +107,9 @@ def set_variant(v: dict) -> None:
     tiles_mod.gemv_tiles = GEMV_TILES if not (f or fn) else (
         lambda T, N, K: dataclasses.replace(GEMV_TILES(T, N, K) or tiles_mod.GemvTiles(), **f) if f else
         (GEMV_TILES(T, N, K) or dataclasses.replace(tiles_mod.GemvTiles(), **fn)))
+    hk, hv = v.get("hk", {}), v.get("hv", {})
+    tiles_mod.head_tiles = HEAD_TILES if not (hk or hv) else (
+        lambda T, N, K, nc: dataclasses.replace(HEAD_TILES(T, N, K, nc), **(hk if nc else hv)))
     tiles_mod.GEMV_RULES = (GEMV_RULES if v["gemv"] else ()) if not v["gemv1"] else tuple(  # (): all cuBLAS
         dataclasses.replace(r, tiles=dataclasses.replace(r.tiles, pdl_trigger=False)) for r in GEMV_RULES)
 

@@ -16,7 +16,7 @@ from moecg.capture import Capture  # noqa: E402
 from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
-from moecg.kernels.tiles import MlaTiles  # noqa: E402
+from moecg.kernels.tiles import GemvTiles, MlaTiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 from model_terms import randomise_terms  # noqa: E402 (tests/)
 
@@ -55,12 +55,14 @@ def test_latent_ops_match_references(T, H):
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     # the per-head projections W_UK (a strided view of kv_b_proj: N stride 1) and W_UV at V3's / V2-Lite's dims
     wkv = (r(H, 256, C) * 0.05)  # [H, Dn + Dv, C]
-    x = r(T, H, Dn + R)[..., :Dn]
-    torch.testing.assert_close(tri.head_linear(x, wkv[:, :Dn].transpose(1, 2)).float(),
-                               ref.head_linear(x, wkv[:, :Dn].transpose(1, 2)).float(), rtol=2e-2, atol=2e-2)
-    o_lat = r(T, H, C)
-    torch.testing.assert_close(tri.head_linear(o_lat, wkv[:, Dn:]).float(), ref.head_linear(o_lat, wkv[:, Dn:]).float(),
-                               rtol=2e-2, atol=2e-2)
+    # at T rows on the table's tiles, and one row on CUDA-core tiles (rows=1: the products on the CUDA cores)
+    for Tq, uk, uv in ((T, None, None), (1, GemvTiles(32, 128, 4, 2, rows=1), GemvTiles(4, 512, 4, 2, rows=1))):
+        x = r(Tq, H, Dn + R)[..., :Dn]
+        torch.testing.assert_close(tri.head_linear(x, wkv[:, :Dn].transpose(1, 2), uk).float(),
+                                   ref.head_linear(x, wkv[:, :Dn].transpose(1, 2)).float(), rtol=2e-2, atol=2e-2)
+        o_lat = r(Tq, H, C)
+        torch.testing.assert_close(tri.head_linear(o_lat, wkv[:, Dn:], uv).float(),
+                                   ref.head_linear(o_lat, wkv[:, Dn:]).float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("preset", ["deepseek_v3_tiny", "deepseek_v2_tiny"])

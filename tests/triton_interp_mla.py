@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
-from moecg.kernels.tiles import MlaTiles  # noqa: E402
+from moecg.kernels.tiles import GemvTiles, MlaTiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 
 from interp_common import close, fused_backends_agree  # noqa: E402 (tests/, this script's directory)
@@ -47,11 +47,13 @@ for H, C, R in ((4, 32, 8), (20, 48, 16)):  # 20 heads: two head blocks, the sec
             close(want, tri.mla_attn_decode(q_lat, q_pe, lat, kr, pos, 0.3, splits=splits, tiles=tiles, merge=merge))
     # the per-head projections (W_UK's strided view: N stride 1; W_UV's rows), T up to the GEMV's 16 rows and past
     wkv = torch.randn(H, Dn + 24, C)  # as kv_b_proj's weight viewed [H, Dn + Dv, C]
+    core_uk, core_uv = GemvTiles(8, 64, 4, 2, rows=1), GemvTiles(4, 32, 4, 2, rows=1)  # CUDA-core rows, K masked
     for Tq in (1, 3, 17):
         x = torch.randn(Tq, H, Dn + R)[..., :Dn]  # q_nope: a slice of q, K contiguous
-        close(ref.head_linear(x, wkv[:, :Dn].transpose(1, 2)), tri.head_linear(x, wkv[:, :Dn].transpose(1, 2)))
         o_lat = torch.randn(Tq, H, C)
-        close(ref.head_linear(o_lat, wkv[:, Dn:]), tri.head_linear(o_lat, wkv[:, Dn:]))
+        for uk, uv in ((None, None), (core_uk, core_uv)):
+            close(ref.head_linear(x, wkv[:, :Dn].transpose(1, 2)), tri.head_linear(x, wkv[:, :Dn].transpose(1, 2), uk))
+            close(ref.head_linear(o_lat, wkv[:, Dn:]), tri.head_linear(o_lat, wkv[:, Dn:], uv))
 print("kernels ok")
 
 prompts = torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(0))

@@ -181,15 +181,17 @@ def _linear_fp8(x, w, bias, tiles):
 @dry_zeros
 def head_linear(x, w, tiles=None):
     """As ref.head_linear: x [T, H, K] (K contiguous) @ w[h] [N, K]^T per head -> [T, H, N], on the GEMV kernel with
-    one program per (BLOCK_N columns, head), up to GEMV_MAX_T rows; more rows: torch.bmm. tiles (GemvTiles): None
-    picks BLOCK_N 64 x BLOCK_K 128 where w's N stride is 1 (W_UK's view), else 16 x 256 (W_UV's rows)."""
+    one program per (BLOCK_N columns, head, GemvTiles.rows rows), up to GEMV_MAX_T rows; more rows: torch.bmm.
+    tiles (GemvTiles): None is the table's (moecg.kernels.tiles.head_tiles)."""
     T, H, K = x.shape
     N = w.shape[1]
     if T > GEMV_MAX_T or x.stride(2) != 1:
         return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
-    t = tiles or (_tiles.GemvTiles(64, 128, 4, 3) if w.stride(1) == 1 else _tiles.GemvTiles(16, 256, 4, 3))
+    t = tiles or _tiles.head_tiles(T, N, K, w.stride(1) == 1)
+    rows = min(t.rows, GEMV_MAX_T)
     y = torch.empty(T, H, N, dtype=x.dtype, device=x.device)
-    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), H), x, w, y, y, T, N, K, x.stride(0), w.stride(1), y.stride(0),
-           HAS_BIAS=False, BLOCK_T=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages,
-           s_xh=x.stride(1), s_wh=w.stride(0), s_yh=y.stride(1), s_wk=w.stride(2), **pdl_args(x.device, t.pdl_trigger))
+    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), H, triton.cdiv(T, rows)), x, w, y, y, T, N, K, x.stride(0),
+           w.stride(1), y.stride(0), HAS_BIAS=False, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+           num_warps=t.warps, num_stages=t.stages, s_xh=x.stride(1), s_wh=w.stride(0), s_yh=y.stride(1),
+           s_wk=w.stride(2), **pdl_args(x.device, t.pdl_trigger))
     return y

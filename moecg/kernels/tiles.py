@@ -172,6 +172,18 @@ def fp8_gemv_tiles(T: int, N: int, K: int) -> GemvTiles:
     return _first(FP8_GEMV_RULES, FP8_GEMV_DEFAULT, T, N, K)
 
 
+# The absorbed MLA step's per-head projections (gemv.head_linear): W_UK's view [H, C, Dn] of kv_b_proj (N stride 1:
+# the latent columns contiguous) and W_UV's rows [H, Dv, C] (K contiguous); one program per (BLOCK_N columns, head).
+# Above batch 2, and both at any T until measured otherwise: 16 rows on tl.dot.
+HEAD_UK = GemvTiles(64, 128, 4, 3)
+HEAD_UV = GemvTiles(16, 256, 4, 3)
+
+
+def head_tiles(T: int, N: int, K: int, n_contiguous: bool) -> GemvTiles:
+    """head_linear's tiles for x [T, H, K] @ w[h] [N, K]^T; n_contiguous: w's N stride is 1 (W_UK's view)."""
+    return HEAD_UK if n_contiguous else HEAD_UV
+
+
 def norm_warps(T: int, D: int, KK: int) -> int:
     """Warps of add_rmsnorm's one program per row (it reads KK partial rows of D fp32, the residual and the weight).
     D <= 2048: 16, more loads in flight for a kernel that runs one program at batch 1 (H200, bench_step_variants.py's
