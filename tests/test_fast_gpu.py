@@ -18,7 +18,7 @@ from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E4
 from moecg.dispatch.state import LayerCounters  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import launch, ref, triton_ops as tri  # noqa: E402
-from moecg.kernels.tiles import moe_tiles  # noqa: E402
+from moecg.kernels.tiles import MoeTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 from model_terms import randomise_terms  # noqa: E402 (tests/)
 
@@ -283,6 +283,9 @@ def test_moe_kernel_gpt_oss_experts(T):
         got = tri.moe_experts(x, idx, w, gate_up, down, v, c2, **kw)
         _close(got, want, 2e-2, 2e-2)
         assert torch.equal(c1.routed, c2.routed) and torch.equal(c1.tokens, c2.tokens)
+        # gate/up as two stride-2 loads (the paired tile off), and paired on the CUDA cores (one row a program)
+        for t in (MoeTiles(paired=False), MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256)):
+            _close(tri.moe_experts(x, idx, w, gate_up, down, v, tiles=t, **kw), want, 2e-2, 2e-2)
 
 
 @pytest.mark.parametrize("preset", ["glm4_moe_tiny", "olmoe_tiny", "gpt_oss_tiny"])

@@ -16,6 +16,7 @@ from moecg.dispatch.state import LayerCounters  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
 from moecg.models import build_model  # noqa: E402
+from moecg.kernels.tiles import MoeTiles  # noqa: E402
 from moecg.models.adapter import ExpertSpec  # noqa: E402
 
 from interp_common import close, fused_backends_agree  # noqa: E402 (tests/, this script's directory)
@@ -107,8 +108,8 @@ for Tm in (3, 20):  # 20 tokens: two row blocks per expert
     x = torch.randn(Tm, D)
     gate_up, down = torch.randn(E, D, 2 * inter) / 4, torch.randn(E, inter, D) / 3
     b_gu, b_d = torch.randn(E, 2 * inter), torch.randn(E, D)
-    idx = torch.stack([torch.randperm(E)[:K] for _ in range(Tm)])
-    idx[:, 0] = 1
+    idx = torch.stack([torch.randperm(E - 1)[:K] for _ in range(Tm)])  # K distinct experts a token, as a router's
+    idx[:, 0] = E - 1  # every token on one expert
     wts = torch.rand(Tm, K)
     for v in (None, torch.rand(Tm) > 0.3):
         c1, c2 = LayerCounters.zeros(E), LayerCounters.zeros(E)
@@ -116,7 +117,12 @@ for Tm in (3, 20):  # 20 tokens: two row blocks per expert
         b = tri.moe_experts(x, idx, wts, gate_up, down, v, c2, spec=spec, gate_up_bias=b_gu, down_bias=b_d)
         close(a, b, 1e-4)
         assert torch.equal(c1.routed, c2.routed) and torch.equal(c1.tokens, c2.tokens)
-clamped = ((x @ gate_up[1] + b_gu[1])[:, ::2] > spec.limit).float().mean()
+        # gate/up as two stride-2 loads (paired False), paired on the CUDA cores (block_m 1) and on narrower tiles
+        # (the default 64-wide tiles above: half of each pair block masked, I = 32)
+        for t in (MoeTiles(paired=False), MoeTiles(block_m=1, up_n=16, up_k=32), MoeTiles(up_n=16, up_k=16)):
+            close(a, tri.moe_experts(x, idx, wts, gate_up, down, v, spec=spec, gate_up_bias=b_gu, down_bias=b_d,
+                                     tiles=t), 1e-4)
+clamped = ((x @ gate_up[E - 1] + b_gu[E - 1])[:, ::2] > spec.limit).float().mean()
 assert clamped > 0.05, "the clamp never bites: the check has no teeth"
 
 # whole models: the fused decode with the Triton ops == with the torch ops (fp32), incl. the fused dispatcher

@@ -156,7 +156,8 @@ def _cap_up_kernel(x_ptr, valid_ptr, w_ptr, b_ptr, h_ptr, slot_ptr, nk_ptr, keep
                    K: tl.constexpr, KP: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr,
                    JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                   ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
+                   ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
+                   PAIRED: tl.constexpr = 0):
     e = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
@@ -179,7 +180,7 @@ def _cap_up_kernel(x_ptr, valid_ptr, w_ptr, b_ptr, h_ptr, slot_ptr, nk_ptr, keep
         dt = h_ptr.dtype.element_ty
         hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
                              limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
-                             QROWS, MX)
+                             QROWS, MX, PAIRED)
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
@@ -248,7 +249,7 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
         x, v, gate_up, gate_up_bias if gate_up_bias is not None else h, h, slots, n_kept, keep,
         c.lost_all if cnt else h, T, C, D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
-        K=K, KP=KP, HAS_VALID=has_valid, COUNT=cnt, JM=a.jm, JU=a.ju, HAS_BIAS=gate_up_bias is not None, ACT=a.act,
+        K=K, KP=KP, HAS_VALID=has_valid, COUNT=cnt, JM=a.jm, JU=a.ju, PAIRED=a.paired(t), HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=t.block_m, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale), BLOCK_T=BLOCK_T, num_warps=t.warps,
         num_stages=t.stages, **a.up_scale)
     launch(_cap_down_kernel, (E, m_blocks, triton.cdiv(D, t.down_n)),

@@ -54,42 +54,58 @@ def _rows_for(idx_ptr, valid_ptr, e, mb, S, K: tl.constexpr, HAS_VALID: tl.const
 def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha, limit,
              dt: tl.constexpr, K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr,
              ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
+             ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, PAIRED: tl.constexpr = 0):
     """act(gate, up) of assignments `rows` [BLOCK_M] (token = row // K) for expert e's columns block nb
     -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask).
     QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.formats), each tile
     dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot.
     MX: the weights are mxfp4, packed [E, 2I, D / 2] (s_wk: a byte's stride) with scales ws [E, 2I, D / 32]
-    (moecg.kernels.quant.mx_dot)."""
+    (moecg.kernels.quant.mx_dot).
+    PAIRED (interleaved gate/up, JM 2 JU 1; bf16 / fp32 weights): the 2 x BLOCK_N columns g0 u0 g1 u1 .. as one tile, one GEMM
+    into [BLOCK_M, 2 x BLOCK_N] split into gate and up after the loop (the same products and sums per column), so
+    a transposed [E, D, 2I] weight (GPT-OSS) loads contiguous columns instead of two stride-2 halves."""
     tok = rows // K
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
     DOT: tl.constexpr = BLOCK_M >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
-    acc_g = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT)
-    acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT)
     jg = n * JM  # gate column of output n in the 2I dim
     ju = n * JM + JU
-    wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
-    wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
     sb = ws_ptr + e.to(tl.int64) * s_se
-    for k0 in range(0, D, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        km = kk < D
-        x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        if MX:
-            we = w_ptr + e.to(tl.int64) * s_we
-            acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
-            acc_u = mx_dot(x, acc_u, we, ju, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
-        else:
-            g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-            u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-            if QROWS:
-                g = dequant_tile(g, sb + (jg // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
-                u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
-            acc_g = mac(x, g, acc_g, DOT)
-            acc_u = mac(x, u, acc_u, DOT)
-    acc_g = mac_sum(acc_g, DOT)
-    acc_u = mac_sum(acc_u, DOT)
+    if PAIRED:
+        j2 = nb * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # gate and up columns of outputs n, alternating
+        jm2 = j2 < 2 * I
+        acc = mac_init(BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT)
+        w2 = w_ptr + e.to(tl.int64) * s_we + j2[:, None] * s_wj
+        for k0 in range(0, D, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < D
+            x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+            w = tl.load(w2 + kk[None, :] * s_wk, mask=jm2[:, None] & km[None, :], other=0.0)
+            acc = mac(x, w, acc, DOT)
+        acc_g, acc_u = tl.split(tl.reshape(mac_sum(acc, DOT), [BLOCK_M, BLOCK_N, 2]))
+    else:
+        acc_g = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT)
+        acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT)
+        wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
+        wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
+        for k0 in range(0, D, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < D
+            x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+            if MX:
+                we = w_ptr + e.to(tl.int64) * s_we
+                acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
+                acc_u = mx_dot(x, acc_u, we, ju, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
+            else:
+                g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+                u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+                if QROWS:
+                    g = dequant_tile(g, sb + (jg // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
+                    u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
+                acc_g = mac(x, g, acc_g, DOT)
+                acc_u = mac(x, u, acc_u, DOT)
+        acc_g = mac_sum(acc_g, DOT)
+        acc_u = mac_sum(acc_u, DOT)
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
     if HAS_BIAS:
@@ -185,7 +201,8 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    K: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr, JM: tl.constexpr,
                    JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                   USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
+                   USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
+                   PAIRED: tl.constexpr = 0):
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     mb = tl.program_id(1)
@@ -217,7 +234,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
         dt = h_ptr.dtype.element_ty
         hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
                              limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
-                             QROWS, MX)
+                             QROWS, MX, PAIRED)
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
@@ -329,6 +346,11 @@ class ExpertArgs:
         assert down_bias is None or down_bias.stride(1) == 1
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
 
+    def paired(self, tiles) -> int:
+        """up_tile's PAIRED: interleaved gate/up read as one tile where the tiles say so (MoeTiles.paired); unquantized
+        weights only (mxfp4's packed rows load contiguously either way; block-FP8 has no interleaved family)."""
+        return int(self.jm == 2 and self.weights == "full" and tiles.paired)
+
 
 @dry_zeros
 def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
@@ -360,7 +382,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         h, c.routed if c is not None else h, c.routed_mass if c is not None else h,
         c.tokens if c is not None else h, S, int(by_slot), D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
-        K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=a.jm, JU=a.ju,
+        K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=a.jm, JU=a.ju, PAIRED=a.paired(t),
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale), BLOCK_S=64, num_warps=t.warps,
         num_stages=t.stages, **a.up_scale, **pdl_args(x.device, t.pdl_trigger))
