@@ -27,6 +27,8 @@ Variants (names: `+`-joined switches on top of `base`):
            what the tables pick for every projection (fp8_gemv_tiles, gemv_tiles; where gemv_tiles says cuBLAS, over
            GemvTiles(): the projection then runs the Triton GEMV); gn.F=N: the same over GemvTiles() on the
            projections gemv_tiles leaves to cuBLAS only (the table's own shapes keep its tiles)
+  rt=0     the fp32 router's logits (DeepSeek, GLM) on cuBLAS's fp32 GEMM, not the Triton GEMV (gemv.router_logits);
+           rt.F=N: a field of its tiles (moecg.kernels.tiles.router_tiles)
   hk.F=N   a field of MLA's per-head W_UK projection's tiles (moecg.kernels.tiles.head_tiles, N contiguous); hv.F=N:
            W_UV's (K contiguous)
 Each variant is captured (strategy full, capture.kernels=fused, dispatch=fused, the one bucket = the batch) and
@@ -79,13 +81,17 @@ def parse_variant(name: str) -> dict:
         elif p.split(".")[0] in ("g", "gn") and "=" in p and p.split(".")[-1].split("=")[0] in GEMV_FIELDS:
             key = "gemv_tiles" if p.startswith("g.") else "gemv_new"  # e.g. g.rows=1, gn.rows=1
             v.setdefault(key, {})[p.split(".")[-1].split("=")[0]] = int(p.split("=")[1])
+        elif p == "rt=0":  # the fp32 router on cuBLAS (F.linear) instead of the Triton GEMV
+            v["rt"] = None
+        elif p.startswith("rt.") and "=" in p and p[3:].split("=")[0] in GEMV_FIELDS:
+            v.setdefault("rt", {})[p[3:].split("=")[0]] = int(p.split("=")[1])
         elif p.split(".")[0] in ("hk", "hv") and "=" in p and p.split(".")[-1].split("=")[0] in GEMV_FIELDS:
             v.setdefault(p.split(".")[0], {})[p.split(".")[-1].split("=")[0]] = int(p.split("=")[1])  # e.g. hv.rows=1
         elif "=" in p and p.split("=")[0] in TILE_FIELDS:  # a MoE tile field, e.g. down_n=32
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ok=N, F=N, g.F=N, gn.F=N, hk.F=N, hv.F=N)")
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ok=N, F=N, g.F=N, gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
     return v
 
 
@@ -94,7 +100,7 @@ ATTN_DECODE = triton_ops.attn_decode
 LINEAR_PARTIALS = triton_ops.linear_partials
 GEMV_RULES, NORM_WARPS = tiles_mod.GEMV_RULES, tiles_mod.norm_warps
 FP8_GEMV_TILES, GEMV_TILES = tiles_mod.fp8_gemv_tiles, tiles_mod.gemv_tiles
-HEAD_TILES = tiles_mod.head_tiles
+HEAD_TILES, ROUTER_TILES = tiles_mod.head_tiles, tiles_mod.router_tiles
 
 
 def set_variant(v: dict) -> None:
@@ -110,6 +116,9 @@ def set_variant(v: dict) -> None:
     hk, hv = v.get("hk", {}), v.get("hv", {})
     tiles_mod.head_tiles = HEAD_TILES if not (hk or hv) else (
         lambda T, N, K, nc: dataclasses.replace(HEAD_TILES(T, N, K, nc), **(hk if nc else hv)))
+    rt = v.get("rt", {})
+    tiles_mod.router_tiles = ROUTER_TILES if rt == {} else (lambda T, E, D: None) if rt is None else (
+        lambda T, E, D: dataclasses.replace(ROUTER_TILES(T, E, D), **rt))
     tiles_mod.GEMV_RULES = (GEMV_RULES if v["gemv"] else ()) if not v["gemv1"] else tuple(  # (): all cuBLAS
         dataclasses.replace(r, tiles=dataclasses.replace(r.tiles, pdl_trigger=False)) for r in GEMV_RULES)
 

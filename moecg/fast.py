@@ -477,7 +477,7 @@ class FastDecode:
                     main = torch.cuda.current_stream(self.device)
                     side.wait_stream(main)
                 if L.router_w32 is not None:
-                    logits = F.linear(h.float(), L.router_w32.float())  # [T, E] fp32, as HF's router
+                    logits = ops.router_logits(h, L.router_w32)  # [T, E] fp32, as HF's router
                 else:
                     logits = z[:, L.r0: L.r0 + L.n_experts]  # [T, E]
                 bias = router_logit_bias(L.router)  # router skew acts here as in HF's (skewed) router forward

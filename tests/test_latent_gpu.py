@@ -63,6 +63,14 @@ def test_latent_ops_match_references(T, H):
         o_lat = r(Tq, H, C)
         torch.testing.assert_close(tri.head_linear(o_lat, wkv[:, Dn:], uv).float(),
                                    ref.head_linear(o_lat, wkv[:, Dn:]).float(), rtol=2e-2, atol=2e-2)
+    # the fp32 router's logits at V3's (256 experts, D 7168) and V2-Lite's (64, 2048) dims: fp32 sums in another
+    # order than cuBLAS's fp32 GEMM, so equal within fp32 rounding of a D-term sum
+    for E, D in ((256, 7168), (64, 2048)):
+        for wdt in (torch.float32, BF):
+            hr, wr = r(T, D), (r(E, D) / D ** 0.5).to(wdt)
+            got = tri.router_logits(hr, wr)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, ref.router_logits(hr, wr), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", ["deepseek_v3_tiny", "deepseek_v2_tiny"])

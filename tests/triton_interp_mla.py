@@ -54,6 +54,16 @@ for H, C, R in ((4, 32, 8), (20, 48, 16)):  # 20 heads: two head blocks, the sec
         for uk, uv in ((None, None), (core_uk, core_uv)):
             close(ref.head_linear(x, wkv[:, :Dn].transpose(1, 2)), tri.head_linear(x, wkv[:, :Dn].transpose(1, 2), uk))
             close(ref.head_linear(o_lat, wkv[:, Dn:]), tri.head_linear(o_lat, wkv[:, Dn:], uv))
+# the fp32 router's logits (DeepSeek's, GLM's): bf16 or fp32 rows, fp32 or bf16 weights; E and D not a tile's
+# multiple; 17 rows: F.linear
+for hdt, wdt in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)):
+    wr = torch.randn(5, 48).to(wdt)
+    for Tq in (1, 3, 17):
+        hr = torch.randn(Tq, 48).to(hdt)
+        for t in (None, GemvTiles(2, 32, 4, 2, rows=1)):
+            got = tri.router_logits(hr, wr, t)
+            assert got.dtype == torch.float32
+            close(ref.router_logits(hr, wr), got, 1e-5)
 print("kernels ok")
 
 prompts = torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(0))

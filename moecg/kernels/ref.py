@@ -273,6 +273,12 @@ def linear(x, w, bias=None, tiles=None):
     return F.linear(x, dense(w), bias)
 
 
+def router_logits(h, w):
+    """An fp32 router's logits, as HF's DeepSeek / GLM routers compute them: F.linear(h.float(), w.float()) -> [T, E]
+    fp32 (h [T, D] in the model's dtype, w [E, D] in fp32 or the model's dtype)."""
+    return F.linear(h.float(), w.float())
+
+
 def linear_partials(x, w, bias=None, tiles=None):
     """linear as [T, S, N] partial rows whose fp32 sum is the projection (its consumer, add_rmsnorm or norm_route,
     adds them and rounds once): here S = 1, linear's output itself. The Triton GEMV splits K where its tiles say

@@ -185,6 +185,16 @@ def head_tiles(T: int, N: int, K: int, n_contiguous: bool) -> GemvTiles:
     return HEAD_UK if n_contiguous else HEAD_UV
 
 
+# fp32 routers (DeepSeek-V2/V3, GLM: HF casts h and the weight to fp32; gemv.router_logits): the GEMV's CUDA-core
+# path, one row a program (exact fp32 products; tl.dot would round them to tf32), 2 experts x 1024-wide K steps,
+# in place of cuBLAS's fp32 GEMV (a dot kernel + a reduce) and the cast of h before it. None: cuBLAS.
+ROUTER_GEMV = GemvTiles(2, 1024, 4, 3, rows=1)
+
+
+def router_tiles(T: int, E: int, D: int) -> GemvTiles | None:
+    return ROUTER_GEMV if T <= 16 else None
+
+
 def norm_warps(T: int, D: int, KK: int) -> int:
     """Warps of add_rmsnorm's one program per row (it reads KK partial rows of D fp32, the residual and the weight).
     D <= 2048: 16, more loads in flight for a kernel that runs one program at batch 1 (H200, bench_step_variants.py's
