@@ -91,7 +91,8 @@ def parse_variant(name: str) -> dict:
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ok=N, F=N, g.F=N, gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ok=N, F=N, g.F=N, "
+                             "gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
     return v
 
 

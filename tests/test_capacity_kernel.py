@@ -159,8 +159,13 @@ def test_tile_table():
     """One table: Mixtral-sized experts get their tiles, the others the defaults, the first matching rule wins."""
     mixtral = moe_tiles(8, 4096, 14336, 8)
     assert (mixtral.up_n, mixtral.up_k, mixtral.stages) == (32, 256, 3)
-    for shape in ((1, 2048, 1408, 60), (64, 2048, 768, 128), (8, 2880, 2880, 32), (8, 64, 32, 8)):
+    for shape in ((8, 2048, 1408, 60), (64, 2048, 768, 128), (8, 4096, 2880, 32), (8, 64, 32, 8),
+                  (1, 7168, 2048, 256)):
         assert moe_tiles(*shape) == DEFAULT == MoeTiles()
+    # bf16 experts: GPT-OSS's at any batch, smaller ones at batch 1 on 32 columns
+    assert moe_tiles(8, 2880, 2880, 32) == moe_tiles(1, 2880, 2880, 128) == MoeTiles(up_n=32, stages=3)
+    assert moe_tiles(1, 2048, 1408, 60) == moe_tiles(1, 4096, 1408, 128) == MoeTiles(up_n=32)
+    assert moe_tiles(2, 2048, 1408, 60) == DEFAULT
     rule = TileRule(MoeTiles(block_m=32), tokens=(17, 65), hidden=(2048, 2049))
     assert rule.holds(17, 2048, 1408, 60) and not rule.holds(16, 2048, 1408, 60) and not rule.holds(17, 4096, 1, 1)
     assert MOE_TILE_RULES[0].holds(1, 4096, 8192, 8) and not MOE_TILE_RULES[0].holds(1, 4096, 8191, 8)
@@ -169,7 +174,7 @@ def test_tile_table():
         t1, t8 = moe_tiles(1, 2880, 2880, 128, fmt), moe_tiles(8, 2880, 2880, 128, fmt)
         assert (t1.up_k, t1.down_k, t1.stages) == (256, 256, 3) and t8 == DEFAULT, fmt
         assert moe_tiles(1, 4096, 14336, 8, fmt) == mixtral  # Mixtral-sized experts: past the format rule's range
-    assert moe_tiles(1, 2880, 2880, 128, "full") == DEFAULT
+    assert moe_tiles(1, 2880, 2880, 128, "full") == MoeTiles(up_n=32, stages=3)
     with pytest.raises(KeyError):
         moe_tiles(1, 2880, 2880, 128, "fp4")
 

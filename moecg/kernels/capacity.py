@@ -249,7 +249,8 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
         x, v, gate_up, gate_up_bias if gate_up_bias is not None else h, h, slots, n_kept, keep,
         c.lost_all if cnt else h, T, C, D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
-        K=K, KP=KP, HAS_VALID=has_valid, COUNT=cnt, JM=a.jm, JU=a.ju, PAIRED=a.paired(t), HAS_BIAS=gate_up_bias is not None, ACT=a.act,
+        K=K, KP=KP, HAS_VALID=has_valid, COUNT=cnt, JM=a.jm, JU=a.ju, PAIRED=a.paired(t),
+        HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=t.block_m, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale), BLOCK_T=BLOCK_T, num_warps=t.warps,
         num_stages=t.stages, **a.up_scale)
     launch(_cap_down_kernel, (E, m_blocks, triton.cdiv(D, t.down_n)),

@@ -61,9 +61,9 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
     dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot.
     MX: the weights are mxfp4, packed [E, 2I, D / 2] (s_wk: a byte's stride) with scales ws [E, 2I, D / 32]
     (moecg.kernels.quant.mx_dot).
-    PAIRED (interleaved gate/up, JM 2 JU 1; bf16 / fp32 weights): the 2 x BLOCK_N columns g0 u0 g1 u1 .. as one tile, one GEMM
-    into [BLOCK_M, 2 x BLOCK_N] split into gate and up after the loop (the same products and sums per column), so
-    a transposed [E, D, 2I] weight (GPT-OSS) loads contiguous columns instead of two stride-2 halves."""
+    PAIRED (interleaved gate/up, JM 2 JU 1; bf16 / fp32 weights): the 2 x BLOCK_N columns g0 u0 g1 u1 .. as one
+    tile, one GEMM into [BLOCK_M, 2 x BLOCK_N] split into gate and up after the loop (the same products and sums per
+    column), so a transposed [E, D, 2I] weight (GPT-OSS) loads contiguous columns instead of two stride-2 halves."""
     tok = rows // K
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I

@@ -67,6 +67,21 @@ MOE_TILE_RULES: tuple[TileRule, ...] = (
 )
 
 
+# bf16 / fp32 experts (model.weights=full), ahead of the rules above.
+FULL_MOE_TILE_RULES: tuple[TileRule, ...] = (
+    # GPT-OSS's experts (D 2880, I 2880; interleaved gate/up, read as one 2 x up_n tile): 32 columns and 3 stages,
+    # twice the programs; the 12-layer GPT-OSS-20B step 1.972 -> 1.637 ms at bs 1, 5.454 -> 4.449 at bs 8, the same bits
+    # (bench_step_variants.py on an H200, experiments/results/step_variants/tiles_gpt_oss_20b.md). 256-wide K steps
+    # on the paired 128-column tile at 3 stages ran 12-19x slower (24 ms a step): keep paired tiles <= 64 x 256.
+    TileRule(MoeTiles(up_n=32, stages=3), hidden=(2880, 2881), inter=(2880, 2881)),
+    # At batch 1, experts of fewer than 12M weights a projection: 32 columns, twice the programs (the up GEMM's
+    # few experts give too few at 64); Qwen1.5-MoE 24 layers 1.841 -> 1.780 ms, GLM-4.5-Air 8 layers 1.649 -> 1.621,
+    # OLMoE unchanged (0.990 / 0.991); DeepSeek-V3's 14.7M-weight experts were slower (3.083 -> 3.126), so wider
+    # experts keep 64 (experiments/results/step_variants/up32_*.md).
+    TileRule(MoeTiles(up_n=32), tokens=(1, 2), weight=(0, 12 * 2**20)),
+)
+
+
 # Block-FP8 experts (moecg.models.formats), ahead of the rules above: at batch 1 the dropless kernels stream their
 # few experts faster with 256-wide K steps and 3 stages (Qwen3-30B-A3B's layer, H200, bench_weights_kernels.py:
 # 24.7 us against 27.1 at the default tiles; at T 8 the default stays best, 87 us).
@@ -91,7 +106,7 @@ FP8_MOE_TILE_RULES: tuple[TileRule, ...] = (
 MX_MOE_TILE_RULES: tuple[TileRule, ...] = (
     TileRule(MoeTiles(up_k=256, down_k=256, stages=3), tokens=(1, 2), weight=(0, 32 * 2**20)),
 )
-FORMAT_TILE_RULES = {"full": (), "fp8_block": FP8_MOE_TILE_RULES, "mxfp4": MX_MOE_TILE_RULES}  # by model.weights
+FORMAT_TILE_RULES = {"full": FULL_MOE_TILE_RULES, "fp8_block": FP8_MOE_TILE_RULES, "mxfp4": MX_MOE_TILE_RULES}  # by model.weights
 
 
 def moe_tiles(T: int, D: int, I: int, E: int, weights: str = "full") -> MoeTiles:  # noqa: E741
