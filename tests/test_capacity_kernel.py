@@ -162,10 +162,10 @@ def test_tile_table():
     for shape in ((8, 2048, 1408, 60), (64, 2048, 768, 128), (8, 4096, 2880, 32), (8, 64, 32, 8),
                   (1, 7168, 2048, 256)):
         assert moe_tiles(*shape) == DEFAULT == MoeTiles()
-    # bf16 experts: GPT-OSS's at any batch, smaller ones at batch 1 on 32 columns
+    # bf16 experts: GPT-OSS's at any batch, Qwen1.5's and GLM-4.5-Air's at batch 1 on 32 columns
     assert moe_tiles(8, 2880, 2880, 32) == moe_tiles(1, 2880, 2880, 128) == MoeTiles(up_n=32, stages=3)
     assert moe_tiles(1, 2048, 1408, 60) == moe_tiles(1, 4096, 1408, 128) == MoeTiles(up_n=32)
-    assert moe_tiles(2, 2048, 1408, 60) == DEFAULT
+    assert moe_tiles(2, 2048, 1408, 60) == moe_tiles(1, 2048, 1408, 64) == moe_tiles(1, 2048, 768, 128) == DEFAULT
     rule = TileRule(MoeTiles(block_m=32), tokens=(17, 65), hidden=(2048, 2049))
     assert rule.holds(17, 2048, 1408, 60) and not rule.holds(16, 2048, 1408, 60) and not rule.holds(17, 4096, 1, 1)
     assert MOE_TILE_RULES[0].holds(1, 4096, 8192, 8) and not MOE_TILE_RULES[0].holds(1, 4096, 8191, 8)

@@ -74,11 +74,13 @@ FULL_MOE_TILE_RULES: tuple[TileRule, ...] = (
     # (bench_step_variants.py on an H200, experiments/results/step_variants/tiles_gpt_oss_20b.md). 256-wide K steps
     # on the paired 128-column tile at 3 stages ran 12-19x slower (24 ms a step): keep paired tiles <= 64 x 256.
     TileRule(MoeTiles(up_n=32, stages=3), hidden=(2880, 2881), inter=(2880, 2881)),
-    # At batch 1, experts of fewer than 12M weights a projection: 32 columns, twice the programs (the up GEMM's
-    # few experts give too few at 64); Qwen1.5-MoE 24 layers 1.841 -> 1.780 ms, GLM-4.5-Air 8 layers 1.649 -> 1.621,
-    # OLMoE unchanged (0.990 / 0.991); DeepSeek-V3's 14.7M-weight experts were slower (3.083 -> 3.126), so wider
-    # experts keep 64 (experiments/results/step_variants/up32_*.md).
-    TileRule(MoeTiles(up_n=32), tokens=(1, 2), weight=(0, 12 * 2**20)),
+    # At batch 1, Qwen1.5-MoE's experts (D 2048, I 1408, 60) and GLM-4.5-Air's (D 4096, I 1408): 32 columns, twice
+    # the programs; Qwen1.5 24 layers 1.832 -> 1.780 ms, GLM-4.5-Air 8 layers 1.651 -> 1.620 (two runs each). Not on
+    # the others measured: DeepSeek-V2-Lite (Qwen1.5's expert shape, 64 experts, top 6) 2.204 -> 2.242, Qwen3-30B-A3B
+    # and OLMoE unchanged (0.803 / 0.805, 0.988 / 0.989), DeepSeek-V3 3.083 -> 3.126
+    # (experiments/results/step_variants/up32_*.md, table_*.md).
+    TileRule(MoeTiles(up_n=32), tokens=(1, 2), hidden=(2048, 2049), inter=(1408, 1409), experts=(0, 64)),
+    TileRule(MoeTiles(up_n=32), tokens=(1, 2), hidden=(4096, 4097), inter=(1408, 1409)),
 )
 
 
