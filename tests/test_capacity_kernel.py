@@ -231,7 +231,7 @@ def test_kernels_compile_for_hopper():
 
     def build(fn, consts, stages=4, **ptr_types):
         params = inspect.signature(fn.fn).parameters
-        consts = {**{q: 0 for q in ("QROWS", "MX") if q in params}, **consts}  # bf16 weights unless asked
+        consts = {**{q: 0 for q in ("QROWS", "MX", "PAIRED") if q in params}, **consts}  # bf16, unpaired unless asked
         if fn in (gemv._gemv_kernel, routers._norm_route_kernel):  # unsplit, one partial row, unless asked
             consts = {**{q: 1 for q in ("SPLIT", "KK") if q in params}, **consts}
         tys = {**types, **ptr_types}
@@ -250,8 +250,9 @@ def test_kernels_compile_for_hopper():
                                           BLOCK_T=64, BLOCK_D=128))
     build(cap._cap_up_kernel, dict(K=4, KP=4, HAS_VALID=True, COUNT=True, JM=1, JU=1408, HAS_BIAS=False, ACT=0,
                                    BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, BLOCK_T=64), stages=3)
-    build(cap._cap_up_kernel, dict(K=4, KP=4, HAS_VALID=False, COUNT=False, JM=2, JU=1, HAS_BIAS=True, ACT=1,
-                                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64))
+    for paired in (0, 1):  # GPT-OSS's interleaved gate/up as two strided tiles or one paired tile
+        build(cap._cap_up_kernel, dict(K=4, KP=4, HAS_VALID=False, COUNT=False, JM=2, JU=1, HAS_BIAS=True, ACT=1,
+                                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64, PAIRED=paired))
     build(cap._cap_down_kernel, dict(K=4, KP=4, RENORM=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))
     mx = dict(w_ptr="*u8", ws_ptr="*u8")  # mxfp4 experts: tl.dot_scaled on bf16 activations
     build(cap._cap_up_kernel, dict(K=4, KP=4, HAS_VALID=False, COUNT=False, JM=2, JU=1, HAS_BIAS=True, ACT=1,
@@ -262,6 +263,9 @@ def test_kernels_compile_for_hopper():
                                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, BLOCK_S=64, USE_PDL=2, MX=1), **mx)
     build(moe._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=False, SPLIT=4, BLOCK_M=16, BLOCK_N=64,
                                      BLOCK_K=128, BLOCK_S=64, USE_PDL=2, MX=1), **mx)
+    for bm in (16, 1):  # GPT-OSS's paired gate/up on tl.dot and on the CUDA cores
+        build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=2, JU=1, HAS_BIAS=True, ACT=1,
+                                       BLOCK_M=bm, BLOCK_N=32, BLOCK_K=128, BLOCK_S=64, USE_PDL=2, PAIRED=1), stages=3)
     for pdl in (0, 1, 2):  # programmatic dependent launch: the griddepcontrol instructions lower for sm_90
         build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=1, JU=1408, HAS_BIAS=False, ACT=0,
                                        BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=pdl))
