@@ -15,8 +15,8 @@ import torch  # noqa: E402
 from moecg.dispatch.state import LayerCounters  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
-from moecg.models import build_model  # noqa: E402
 from moecg.kernels.tiles import MoeTiles  # noqa: E402
+from moecg.models import build_model  # noqa: E402
 from moecg.models.adapter import ExpertSpec  # noqa: E402
 
 from interp_common import close, fused_backends_agree  # noqa: E402 (tests/, this script's directory)

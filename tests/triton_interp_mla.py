@@ -55,7 +55,7 @@ for H, C, R in ((4, 32, 8), (20, 48, 16)):  # 20 heads: two head blocks, the sec
             close(ref.head_linear(x, wkv[:, :Dn].transpose(1, 2)), tri.head_linear(x, wkv[:, :Dn].transpose(1, 2), uk))
             close(ref.head_linear(o_lat, wkv[:, Dn:]), tri.head_linear(o_lat, wkv[:, Dn:], uv))
 # the fp32 router's logits (DeepSeek's, GLM's): bf16 or fp32 rows, fp32 or bf16 weights; E and D not a tile's
-# multiple; 17 rows: F.linear
+# multiple; 17 rows: F.linear on the table's choice, the kernel on given tiles
 for hdt, wdt in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)):
     wr = torch.randn(5, 48).to(wdt)
     for Tq in (1, 3, 17):

@@ -132,11 +132,11 @@ def router_logits(h, w, tiles=None):
     """As ref.router_logits: fp32 logits [T, E] of h [T, D] @ w [E, D]^T, on the GEMV kernel's CUDA-core path (one
     row a program: exact fp32 products of h's values and w's, fp32 sums; the bits can differ from cuBLAS's fp32 GEMM
     in the last places, its sums run in another order). tiles: GemvTiles (rows 1), None: the table's
-    (moecg.kernels.tiles.router_tiles), which is F.linear where it says None or T > GEMV_MAX_T."""
+    (moecg.kernels.tiles.router_tiles); F.linear where that says None."""
     T, K = h.shape
     E = w.shape[0]
     t = tiles or _tiles.router_tiles(T, E, K)
-    if t is None or T > GEMV_MAX_T or h.stride(1) != 1 or w.stride(1) != 1:
+    if t is None or h.stride(1) != 1 or w.stride(1) != 1:
         return F.linear(h.float(), w.float())
     assert t.rows == 1, "router_logits: fp32 products on the CUDA cores (rows 1); tl.dot would round them to tf32"
     y = torch.empty(T, E, dtype=torch.float32, device=h.device)

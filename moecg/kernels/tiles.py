@@ -209,6 +209,7 @@ ROUTER_GEMV = GemvTiles(2, 1024, 4, 3, rows=1)
 
 
 def router_tiles(T: int, E: int, D: int) -> GemvTiles | None:
+    """Up to 16 rows (one a program, each reading the small router weight again; measured at T 1 and 8); more: None."""
     return ROUTER_GEMV if T <= 16 else None
 
 
