@@ -100,11 +100,9 @@ for T, K, cf in ((6, 2, 0.5), (3, 2, 1.0)):
 # the reference's values within fp32 rounding (the sums in another order than the MMA's), pad rows and counters as on
 # tl.dot; the GEMV unsplit and split over K
 mgu, mdn = (Mxfp4(*mx_quantize(t), torch.float32) for t in (torch.randn(E, 2 * I, D) * 0.1, torch.randn(E, D, I) * 0.1))
-for T, K, grid, bm, valid in ((1, 2, "slot", 1, None), (4, 2, "expert", 2, torch.tensor([1, 1, 0, 1]) != 0)):
-    x = torch.randn(T, D)
-    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
-    w = torch.rand(T, K)
-    tiles = MoeTiles(block_m=bm, up_n=32, up_k=128, down_n=16, down_k=64, down_split=2)
+
+
+def _core_moe_checks(x, idx, w, valid, grid, tiles):
     for gu, dn in ((gate_up, down), (gate_up.dense(), down.dense()), (mgu, mdn)):
         st1, c1 = counters(E)
         st2, c2 = counters(E)
@@ -114,12 +112,29 @@ for T, K, grid, bm, valid in ((1, 2, "slot", 1, None), (4, 2, "expert", 2, torch
         assert st1.snapshot()["routed"] == st2.snapshot()["routed"]
     close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=1.0, tiles=tiles),
           ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=1.0), 1e-4)
+
+
+for T, K, grid, bm, valid in ((1, 2, "slot", 1, None), (4, 2, "expert", 2, torch.tensor([1, 1, 0, 1]) != 0)):
+    x = torch.randn(T, D)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    # block_m 1: block-FP8 tiles inside one scale row (up_n 32 of gate_up's 32-row groups) take the scale on x
+    # (quant.fp8_row_mac); up_n 64 spans two scale rows and dequantizes each weight instead
+    for tiles in (MoeTiles(block_m=bm, up_n=32, up_k=128, down_n=16, down_k=64, down_split=2),
+                  MoeTiles(block_m=bm, up_n=64, up_k=256, down_n=16, down_k=256)):
+        _core_moe_checks(x, idx, w, valid, grid, tiles)
+# the GEMV: one row with 128-row scale groups takes the scale on x, also with K steps over two scale columns and a
+# ragged K; 96-row groups (two fused parts) under 64-row tiles dequantize each weight
 for T in (1, 3):
     wq = quantize_stacked(torch.randn(300, 200), 1)
     x = torch.randn(T, 200)
     for wi in (wq, wq.dense()):
-        for tiles in (GemvTiles(16, 128, rows=1), GemvTiles(32, 256, rows=2)):
+        for tiles in (GemvTiles(16, 128, rows=1), GemvTiles(4, 256, rows=1), GemvTiles(32, 256, rows=2)):
             close(tri.linear(x, wi, tiles=tiles), ref.linear(x, wi), 1e-4)
+    w2 = quantize_stacked(torch.randn(192, 200), 2)
+    assert w2.rows == 32
+    for tiles in (GemvTiles(64, 128, rows=1), GemvTiles(32, 256, rows=1)):
+        close(tri.linear(x, w2, tiles=tiles), ref.linear(x, w2), 1e-4)
         close(tri.linear_partials(x, wi, tiles=GemvTiles(16, 128, rows=1, split_k=2)).sum(1), ref.linear(x, wi), 1e-4)
 
 # the same kernels on mxfp4 experts: D = 320 (K steps of 32 and 64 end inside it, 256 with a ragged last block),

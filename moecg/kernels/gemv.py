@@ -17,7 +17,7 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
-from moecg.kernels.quant import check_block_k, dequant_tile, mac, mac_init, mac_sum
+from moecg.kernels.quant import check_block_k, dequant_tile, fp8_row_fits, fp8_row_mac, mac, mac_init, mac_sum
 from moecg.models.formats import BlockFp8
 
 
@@ -84,15 +84,19 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     DOT: tl.constexpr = BLOCK_T >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
+    ROW_SCALE: tl.constexpr = fp8_row_fits(BLOCK_T, BLOCK_N, QROWS)  # one row: the scale on x (fp8_row_mac)
     acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < k_hi
         x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-        if QROWS:
-            w = dequant_tile(w, ws_ptr + (n // QROWS) * s_sn, k0, K, s_sk, nm, x.dtype, BLOCK_N, BLOCK_K)
-        acc = mac(x, w, acc, DOT)
+        if ROW_SCALE:
+            acc = fp8_row_mac(x, w, acc, ws_ptr + (tl.program_id(0) * BLOCK_N // QROWS) * s_sn, k0, K, s_sk, BLOCK_K)
+        else:
+            if QROWS:
+                w = dequant_tile(w, ws_ptr + (n // QROWS) * s_sn, k0, K, s_sk, nm, x.dtype, BLOCK_N, BLOCK_K)
+            acc = mac(x, w, acc, DOT)
     acc = mac_sum(acc, DOT)
     if HAS_BIAS:  # split: once, in the first split's partial
         b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)

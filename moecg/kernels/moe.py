@@ -16,7 +16,8 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
-from moecg.kernels.quant import check_block_k, check_mx_k, dequant_tile, mac, mac_init, mac_sum, mx_dot
+from moecg.kernels.quant import (check_block_k, check_mx_k, dequant_tile, fp8_row_fits, fp8_row_mac, mac, mac_init,
+                                 mac_sum, mx_dot)
 from moecg.models.formats import BlockFp8, Mxfp4
 
 
@@ -68,6 +69,8 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
     DOT: tl.constexpr = BLOCK_M >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
+    # block-FP8, one row: the scale on x (fp8_row_mac) where the tile's gate rows (and its up rows) share a scale row
+    ROW_SCALE: tl.constexpr = fp8_row_fits(BLOCK_M, BLOCK_N * JM, QROWS) and (JU % QROWS == 0)
     jg = n * JM  # gate column of output n in the 2I dim
     ju = n * JM + JU
     sb = ws_ptr + e.to(tl.int64) * s_se
@@ -99,11 +102,16 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
             else:
                 g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
                 u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-                if QROWS:
-                    g = dequant_tile(g, sb + (jg // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
-                    u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
-                acc_g = mac(x, g, acc_g, DOT)
-                acc_u = mac(x, u, acc_u, DOT)
+                if ROW_SCALE:  # one row: the scale on x (the tile's gate rows share a scale row, as its up rows)
+                    j0 = nb * BLOCK_N * JM
+                    acc_g = fp8_row_mac(x, g, acc_g, sb + (j0 // QROWS) * s_sj, k0, D, s_sk, BLOCK_K)
+                    acc_u = fp8_row_mac(x, u, acc_u, sb + ((j0 + JU) // QROWS) * s_sj, k0, D, s_sk, BLOCK_K)
+                else:
+                    if QROWS:
+                        g = dequant_tile(g, sb + (jg // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
+                        u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
+                    acc_g = mac(x, g, acc_g, DOT)
+                    acc_u = mac(x, u, acc_u, DOT)
         acc_g = mac_sum(acc_g, DOT)
         acc_u = mac_sum(acc_u, DOT)
     g = acc_g.to(dt).to(tl.float32)
@@ -134,6 +142,7 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < D
     DOT: tl.constexpr = BLOCK_M >= 16  # as up_tile's
+    ROW_SCALE: tl.constexpr = fp8_row_fits(BLOCK_M, BLOCK_N, QROWS)  # as up_tile's
     acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT)
     wd = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -145,10 +154,14 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
                          s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
         else:
             w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-            if QROWS:
-                w = dequant_tile(w, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, k_hi, s_sk, nm,
-                                 h.dtype, BLOCK_N, BLOCK_K)
-            acc = mac(h, w, acc, DOT)
+            if ROW_SCALE:
+                acc = fp8_row_mac(h, w, acc, ws_ptr + e.to(tl.int64) * s_se + (nb * BLOCK_N // QROWS) * s_sj, k0,
+                                  k_hi, s_sk, BLOCK_K)
+            else:
+                if QROWS:
+                    w = dequant_tile(w, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, k_hi, s_sk, nm,
+                                     h.dtype, BLOCK_N, BLOCK_K)
+                acc = mac(h, w, acc, DOT)
     acc = mac_sum(acc, DOT)
     return acc, n, nm
 

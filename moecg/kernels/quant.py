@@ -21,10 +21,13 @@ import triton.language as tl
 
 @triton.jit
 def mac_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    """The accumulator mac adds into: [BLOCK_M, BLOCK_N] fp32 for tl.dot, [BLOCK_M, BLOCK_N, BLOCK_K] otherwise (each
-    column's products kept apart until mac_sum, so the loop is one FMA per weight)."""
+    """The accumulator mac adds into: [BLOCK_M, BLOCK_N] fp32 for tl.dot; on the CUDA cores each column's products
+    kept apart until mac_sum, so the loop is one FMA per weight: [BLOCK_N, BLOCK_K] for one row (the weight tile's
+    own shape, so its values stay in the registers they were loaded into), [BLOCK_M, BLOCK_N, BLOCK_K] for more."""
     if DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     return acc
@@ -33,9 +36,12 @@ def mac_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 @triton.jit
 def mac(x, w, acc, DOT: tl.constexpr):
     """acc + x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] (x @ w^T). DOT: tl.dot (BLOCK_M >= 16). Else fp32
-    products x * w (exact for bf16 operands, as the MMA's) added per column into mac_init's 3-d accumulator."""
+    products x * w (exact for bf16 operands, as the MMA's) added per column into mac_init's accumulator (one row:
+    x [1, BLOCK_K] broadcast over w's rows)."""
     if DOT:
         out = tl.dot(x, tl.trans(w), acc)
+    elif len(acc.shape) == 2:
+        out = acc + x.to(tl.float32) * w.to(tl.float32)
     else:
         out = acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     return out
@@ -46,6 +52,8 @@ def mac_sum(acc, DOT: tl.constexpr):
     """mac's accumulator -> [BLOCK_M, BLOCK_N] fp32 sums (the CUDA-core path adds its columns here)."""
     if DOT:
         out = acc
+    elif len(acc.shape) == 2:
+        out = tl.sum(acc, axis=1)[None, :]
     else:
         out = tl.sum(acc, axis=2)
     return out
@@ -66,6 +74,32 @@ def dequant_tile(w, srow_ptr, k0, K, s_sk, nmask, dt: tl.constexpr, BLOCK_N: tl.
         w3 = tl.reshape(w.to(tl.float32), (BLOCK_N, NS, 128)) * s[:, :, None]
         out = tl.reshape(w3, (BLOCK_N, BLOCK_K)).to(dt)
     return out
+
+
+@triton.jit
+def fp8_row_mac(x, w, acc, s_ptr, k0, K, s_sk, BLOCK_K: tl.constexpr):
+    """mac's one-row CUDA-core product for an e4m3 tile w [BLOCK_N, BLOCK_K] (columns k0 ..) whose rows share one
+    scale row (s_ptr: its scale of columns 0 .. 127, s_sk per 128 columns): the scale moves from each weight to the
+    activation, x [1, BLOCK_K] times its column's scale in fp32, then acc + that times the e4m3 values in fp32 (mac's
+    accumulator). Two conversions and an FMA per weight, where dequant_tile's round trip through the compute dtype
+    costs five and bounds a one-row step by its arithmetic; the products then differ from the reference's (weights
+    rounded to the compute dtype) within that rounding. The caller checks that the rows share a scale row
+    (one activation row, QROWS a multiple of BLOCK_N: fp8_row_fits)."""
+    if BLOCK_K <= 128:  # one scale column (k0 is a multiple of BLOCK_K)
+        xs = x.to(tl.float32) * tl.load(s_ptr + (k0 // 128) * s_sk)
+    else:
+        NS: tl.constexpr = BLOCK_K // 128
+        j = k0 // 128 + tl.arange(0, NS)
+        s = tl.load(s_ptr + j * s_sk, mask=j * 128 < K, other=0.0)
+        xs = tl.reshape(tl.reshape(x.to(tl.float32), (NS, 128)) * s[:, None], (1, BLOCK_K))
+    return acc + xs * w.to(tl.float32)
+
+
+@triton.jit
+def fp8_row_fits(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QROWS: tl.constexpr):
+    """Whether a block-FP8 tile takes fp8_row_mac: one activation row, BLOCK_N weight rows (from a multiple of
+    BLOCK_N) inside one scale row of QROWS."""
+    return (BLOCK_M == 1) and (QROWS > 0) and (QROWS % BLOCK_N == 0)
 
 
 def check_block_k(block_k: int) -> int:
