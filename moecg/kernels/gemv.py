@@ -17,7 +17,7 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
-from moecg.kernels.quant import check_block_k, dequant_tile, fp8_row_fits, fp8_row_mac, mac, mac_init, mac_sum
+from moecg.kernels.quant import check_block_k, dequant_tile, fp8_row_mac, mac, mac_init, mac_sum
 from moecg.models.formats import BlockFp8
 
 
@@ -84,7 +84,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     DOT: tl.constexpr = BLOCK_T >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
-    ROW_SCALE: tl.constexpr = fp8_row_fits(BLOCK_T, BLOCK_N, QROWS)  # one row: the scale on x (fp8_row_mac)
+    ROW_SCALE: tl.constexpr = (BLOCK_T == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # one row: x scaled (fp8_row_mac)
     acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)

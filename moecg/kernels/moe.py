@@ -16,7 +16,7 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
-from moecg.kernels.quant import (check_block_k, check_mx_k, dequant_tile, fp8_row_fits, fp8_row_mac, mac, mac_init,
+from moecg.kernels.quant import (check_block_k, check_mx_k, dequant_tile, fp8_row_mac, mac, mac_init,
                                  mac_sum, mx_dot)
 from moecg.models.formats import BlockFp8, Mxfp4
 
@@ -70,7 +70,8 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
     nm = n < I
     DOT: tl.constexpr = BLOCK_M >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
     # block-FP8, one row: the scale on x (fp8_row_mac) where the tile's gate rows (and its up rows) share a scale row
-    ROW_SCALE: tl.constexpr = fp8_row_fits(BLOCK_M, BLOCK_N * JM, QROWS) and (JU % QROWS == 0)
+    QR: tl.constexpr = QROWS + (QROWS == 0)  # a divisor: QROWS, 1 where not block-FP8
+    ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QR % (BLOCK_N * JM) == 0) & (JU % QR == 0)
     jg = n * JM  # gate column of output n in the 2I dim
     ju = n * JM + JU
     sb = ws_ptr + e.to(tl.int64) * s_se
@@ -142,7 +143,7 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < D
     DOT: tl.constexpr = BLOCK_M >= 16  # as up_tile's
-    ROW_SCALE: tl.constexpr = fp8_row_fits(BLOCK_M, BLOCK_N, QROWS)  # as up_tile's
+    ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # as up_tile's
     acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT)
     wd = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
     for k0 in range(k_lo, k_hi, BLOCK_K):

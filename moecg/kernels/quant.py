@@ -84,7 +84,7 @@ def fp8_row_mac(x, w, acc, s_ptr, k0, K, s_sk, BLOCK_K: tl.constexpr):
     accumulator). Two conversions and an FMA per weight, where dequant_tile's round trip through the compute dtype
     costs five and bounds a one-row step by its arithmetic; the products then differ from the reference's (weights
     rounded to the compute dtype) within that rounding. The caller checks that the rows share a scale row
-    (one activation row, QROWS a multiple of BLOCK_N: fp8_row_fits)."""
+    (one activation row, QROWS a multiple of BLOCK_N, the tile's first row a multiple of BLOCK_N)."""
     if BLOCK_K <= 128:  # one scale column (k0 is a multiple of BLOCK_K)
         xs = x.to(tl.float32) * tl.load(s_ptr + (k0 // 128) * s_sk)
     else:
@@ -93,13 +93,6 @@ def fp8_row_mac(x, w, acc, s_ptr, k0, K, s_sk, BLOCK_K: tl.constexpr):
         s = tl.load(s_ptr + j * s_sk, mask=j * 128 < K, other=0.0)
         xs = tl.reshape(tl.reshape(x.to(tl.float32), (NS, 128)) * s[:, None], (1, BLOCK_K))
     return acc + xs * w.to(tl.float32)
-
-
-@triton.jit
-def fp8_row_fits(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QROWS: tl.constexpr):
-    """Whether a block-FP8 tile takes fp8_row_mac: one activation row, BLOCK_N weight rows (from a multiple of
-    BLOCK_N) inside one scale row of QROWS."""
-    return (BLOCK_M == 1) and (QROWS > 0) and (QROWS % BLOCK_N == 0)
 
 
 def check_block_k(block_k: int) -> int:
