@@ -85,7 +85,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     tm = t < T
     DOT: tl.constexpr = BLOCK_T >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
     ROW_SCALE: tl.constexpr = (BLOCK_T == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # one row: x scaled (fp8_row_mac)
-    acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT)
+    acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < k_hi

@@ -88,8 +88,8 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
             acc = mac(x, w, acc, DOT)
         acc_g, acc_u = tl.split(tl.reshape(mac_sum(acc, DOT), [BLOCK_M, BLOCK_N, 2]))
     else:
-        acc_g = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT)
-        acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT)
+        acc_g = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
+        acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
         wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
         wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
         for k0 in range(0, D, BLOCK_K):
@@ -144,7 +144,7 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     nm = n < D
     DOT: tl.constexpr = BLOCK_M >= 16  # as up_tile's
     ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # as up_tile's
-    acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT)
+    acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
     wd = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
