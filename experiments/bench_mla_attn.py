@@ -21,6 +21,7 @@ import sys
 import torch
 from bench_attn_splits import time_call  # same directory: one call per CUDA-event pair, median
 from bench_kernels import graph_time_us  # same directory: calls back to back in one CUDA graph, median replay
+from profile_step import kernel_table  # same directory: per-kernel device time (torch profiler)
 
 from moecg.kernels import ref
 from moecg.kernels import triton_ops as tri
@@ -53,6 +54,10 @@ def main(argv=None):
     ap.add_argument("--contexts", nargs="+", default=["256:48", "4096:4000", "32768:30000"], help="L:p")
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128])
     ap.add_argument("--tiles", nargs="+", default=list(TILES), choices=list(TILES))
+    ap.add_argument("--merges", type=int, nargs="+", default=None,
+                    help="merges to time at every split count > 1 (default: 1 up to 8 splits, 1 and 2 up to 32, 2 above)")
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="also split the auto and best variants' time by kernel (attention, merge; torch profiler)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--out", default=None)
@@ -95,7 +100,9 @@ def main(argv=None):
                     for sp in sorted({*(args.splits if L > 256 else (1,)), mla_splits(T, n_hb, L)}):
                         if sp > max(1, L // 64):
                             continue
-                        for merge in ((1,) if sp <= 8 else (1, 2) if sp <= 32 else (2,)):
+                        merges = ((1,) if sp <= 8 else (1, 2) if sp <= 32 else (2,)) if args.merges is None else (
+                            args.merges if sp > 1 else (1,))
+                        for merge in merges:
                             def fn(sp=sp, tiles=tiles, merge=merge):
                                 return tri.mla_attn_decode(q_lat, q_pe, lat, kr, pos, scale, splits=sp, tiles=tiles,
                                                            merge=merge)
@@ -108,6 +115,14 @@ def main(argv=None):
                 a = f"{row['auto_tiles']}:{auto}:m{1 if auto <= tri.mla.MERGE_INLINE_MAX else 2}"
                 best = min(row["ms"], key=row["ms"].get)
                 row["auto"], row["best"] = a, best
+                if args.kernel_times:
+                    row["kernels_us"] = {}
+                    for k in {a, best} & set(row["ms"]):
+                        tn, sp, merge = k.split(":")
+                        fn = lambda: tri.mla_attn_decode(q_lat, q_pe, lat, kr, pos, scale, splits=int(sp),  # noqa: E731
+                                                         tiles=TILES[tn], merge=int(merge[1:]))
+                        row["kernels_us"][k] = {name.split("(")[0][:40]: round(us, 2)
+                                                for name, us, _ in kernel_table(fn, 20)}
                 for k in ("auto", "best"):
                     ms = row["ms"].get(row[k], float("nan"))
                     row[f"ms_{k}"], row[f"gbps_{k}"], row[f"tflops_{k}"] = ms, gb / ms * 1e3, tflop / ms * 1e3
@@ -125,6 +140,11 @@ def main(argv=None):
                      f"{r['ms_auto']:.4f} | {r['gbps_auto']:.0f} | {r['copy_share_auto']:.0%} | {r['tflops_auto']:.0f} | "
                      f"{r['best']} | {r['ms_best']:.4f} | {r['gbps_best']:.0f} | {r['copy_share_best']:.0%} | "
                      f"{r['tflops_best']:.0f} |")
+    if args.kernel_times:
+        lines += ["", "per kernel (us a call, torch profiler, outside a graph):", ""]
+        lines += [f"- {r['shape']} T {r['T']} L {r['L']}: " + "; ".join(
+            f"{k}: " + ", ".join(f"{n} {us}" for n, us in ks.items()) for k, ks in r["kernels_us"].items())
+            for r in rows]
     write_report("\n".join(lines), rows, args, args.out, args.json)
     return 0
 

@@ -20,6 +20,8 @@ Variants (names: `+`-joined switches on top of `base`):
   nw=N     add_rmsnorm with N warps (moecg.kernels.tiles.norm_warps)
   mb=N     the split attention's merge loading N splits' partial outputs at a time (triton_ops.attn_merge_block)
   as=N     N splits per (row, kv head) context for the decode attention (triton_ops.attn_splits' choice otherwise)
+  ls=N     N splits per (row, head block) context for MLA's decode attention (mla.mla_splits' choice otherwise);
+           lm=N: its merge (1 in the kernel, 2 the merge kernel; mla.mla_attn_decode's choice otherwise)
   ok=N     the o projection on the Triton GEMV split N ways over K (GemvTiles.split_k: fp32 partial rows that the
            norm after it adds), on the table's tiles (bf16 shapes the table leaves to cuBLAS: 16 x 256)
   F=N      a MoE tile field (moecg.kernels.tiles.MoeTiles: up_n, up_k, down_n, down_k, warps, stages, block_m)
@@ -76,7 +78,7 @@ def parse_variant(name: str) -> dict:
             v["nw"] = int(p[3:])
         elif p.startswith("ok=") and p[3:].isdigit():  # the o projection's split-K
             v["ok"] = int(p[3:])
-        elif p[:3] in ("mb=", "as=") and p[3:].isdigit():  # the attention's merge block / split count
+        elif p[:3] in ("mb=", "as=", "ls=", "lm=") and p[3:].isdigit():  # the attention's merge block / split count
             v[p[:2]] = int(p[3:])
         elif p.split(".")[0] in ("g", "gn") and "=" in p and p.split(".")[-1].split("=")[0] in GEMV_FIELDS:
             key = "gemv_tiles" if p.startswith("g.") else "gemv_new"  # e.g. g.rows=1, gn.rows=1
@@ -91,13 +93,13 @@ def parse_variant(name: str) -> dict:
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ok=N, F=N, g.F=N, "
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ls=N, lm=N, ok=N, F=N, g.F=N, "
                              "gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
     return v
 
 
 MOE_EXPERTS, MOE_TILES = triton_ops.moe_experts, tiles_mod.moe_tiles  # the originals, which set_variant wraps
-ATTN_DECODE = triton_ops.attn_decode
+ATTN_DECODE, MLA_ATTN_DECODE = triton_ops.attn_decode, triton_ops.mla_attn_decode
 LINEAR_PARTIALS = triton_ops.linear_partials
 GEMV_RULES, NORM_WARPS = tiles_mod.GEMV_RULES, tiles_mod.norm_warps
 FP8_GEMV_TILES, GEMV_TILES = tiles_mod.fp8_gemv_tiles, tiles_mod.gemv_tiles
@@ -138,6 +140,13 @@ def set_variant(v: dict) -> None:
         return ATTN_DECODE(*a, **kw)
 
     triton_ops.attn_decode = attn_decode if ("as" in v or "mb" in v) else ATTN_DECODE
+
+    def mla_attn_decode(*a, **kw):
+        kw.setdefault("splits", v.get("ls"))
+        kw.setdefault("merge", v.get("lm"))
+        return MLA_ATTN_DECODE(*a, **kw)
+
+    triton_ops.mla_attn_decode = mla_attn_decode if ("ls" in v or "lm" in v) else MLA_ATTN_DECODE
 
     def linear_partials(x, w, bias=None, tiles=None):
         tiles = tiles or gemv.table_tiles(x, w) or tiles_mod.GemvTiles(16, 256, 4, 3)  # cuBLAS shapes: 16 x 256

@@ -200,9 +200,44 @@ def _mla_merge(m_ptr, l_ptr, acc_ptr, o_ptr, row0, n_act, h, hi, hm, c, cm, s_oh
 @triton.jit(do_not_specialize=["T", "chunk"])
 def _mla_merge_kernel(pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, chunk, s_pos, s_ot, s_oh, H: tl.constexpr,
                       HB: tl.constexpr, HP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, MC: tl.constexpr,
+                      SPLITS: tl.constexpr, SP: tl.constexpr, SB: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    """One program per (row, head, MC latent dims): the merge of MERGE 2 (nothing where one split was active, which
+    wrote its output itself). Each program reads its head's [splits] max and sum at once and its [splits, MC] partial
+    values SB splits a load, so the loads of every split are in flight together (a loop of one split a load waits on
+    L2 once per split)."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    n_act = tl.cdiv(tl.load(pos_ptr + t * s_pos) + 1, chunk)
+    if n_act > 1:
+        hi = h % HB
+        row0 = (t * tl.cdiv(H, HB) + h // HB) * SPLITS
+        j = tl.arange(0, SP)
+        ms = tl.load(m_ptr + (row0 + j) * HP + hi, mask=j < n_act, other=float("-inf"), cache_modifier=".cg")  # [SP]
+        m = tl.max(ms, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        sc = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
+        l_tot = tl.sum(tl.load(l_ptr + (row0 + j) * HP + hi, mask=j < n_act, other=0.0, cache_modifier=".cg") * sc,
+                       axis=0)
+        c = tl.program_id(2) * MC + tl.arange(0, MC)
+        cm = c < C
+        acc = tl.zeros([MC], dtype=tl.float32)
+        for s0 in range(0, n_act, SB):
+            jb = s0 + tl.arange(0, SB)
+            jm = jb < n_act
+            mb = tl.load(m_ptr + (row0 + jb) * HP + hi, mask=jm, other=float("-inf"), cache_modifier=".cg")  # [SB]
+            sb = tl.where(mb == float("-inf"), 0.0, tl.exp(mb - m))
+            a = tl.load(acc_ptr + ((row0 + jb) * HP + hi)[:, None] * CP + c[None, :], mask=jm[:, None] & cm[None, :],
+                        other=0.0, cache_modifier=".cg")  # [SB, MC]
+            acc += tl.sum(a * sb[:, None], axis=0)
+        out = acc / tl.where(l_tot > 0, l_tot, 1.0)
+        tl.store(o_ptr + t * s_ot + h * s_oh + c, out.to(o_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit(do_not_specialize=["T", "chunk"])
+def _mla_merge_blocks_kernel(pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, chunk, s_pos, s_ot, s_oh, H: tl.constexpr,
+                      HB: tl.constexpr, HP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, MC: tl.constexpr,
                       SPLITS: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    """One program per (row, head block, MC latent dims): the merge of MERGE 2 (nothing where one split was active,
-    which wrote its output itself)."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -219,6 +254,7 @@ def _mla_merge_kernel(pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, chunk, s_pos, s_
 
 SHORT_SPAN = 256
 MERGE_INLINE_MAX = 8  # splits up to which the last split merges in the kernel (MERGE 1); more: _mla_merge_kernel
+MERGE_SPLITS = 16  # splits per load of _mla_merge_kernel ([16, MC] fp32 partial values)
 
 
 def mla_splits(T: int, head_blocks: int, span: int) -> int:
@@ -246,7 +282,7 @@ def mla_attn_decode(q_lat, q_pe, latents, rope_keys, pos, scaling: float, splits
     splits = max(1, min(splits or mla_splits(T, n_hb, L), max(1, L // 64)))
     chunk = triton.cdiv(triton.cdiv(L, splits), 64) * 64
     splits = triton.cdiv(L, chunk)
-    merge = merge or (1 if splits <= MERGE_INLINE_MAX else 2)
+    merge = (merge or (1 if splits <= MERGE_INLINE_MAX else 2)) if splits > 1 else 1
     CP = p2(C)
     o = torch.empty(T, H, C, dtype=q_lat.dtype, device=q_lat.device)
     if splits > 1:
@@ -264,7 +300,12 @@ def mla_attn_decode(q_lat, q_pe, latents, rope_keys, pos, scaling: float, splits
         MERGE=merge, num_warps=tl_.warps, num_stages=tl_.stages, **pdl_args(q_lat.device))
     if splits > 1 and merge == 2:
         MC = min(CP, tl_.merge_c)
-        launch(_mla_merge_kernel, (T, n_hb, CP // MC), pos, o, m, l_, acc, T, chunk, pos_stride(pos, T),
+        launch(_mla_merge_kernel, (T, H, CP // MC), pos, o, m, l_, acc, T, chunk, pos_stride(pos, T),
+               o.stride(0), o.stride(1), H=H, HB=HB, HP=HP, C=C, CP=CP, MC=MC, SPLITS=splits, SP=p2(splits),
+               SB=min(MERGE_SPLITS, p2(splits)), num_warps=tl_.merge_warps, **pdl_args(q_lat.device))
+    if splits > 1 and merge == 3:
+        MC = min(CP, 64)
+        launch(_mla_merge_blocks_kernel, (T, n_hb, CP // MC), pos, o, m, l_, acc, T, chunk, pos_stride(pos, T),
                o.stride(0), o.stride(1), H=H, HB=HB, HP=HP, C=C, CP=CP, MC=MC, SPLITS=splits, num_warps=4,
                **pdl_args(q_lat.device))
     return o

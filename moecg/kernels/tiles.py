@@ -226,13 +226,14 @@ def norm_warps(T: int, D: int, KK: int) -> int:
 @dataclass(frozen=True)
 class MlaTiles:
     """Tiles of the MLA decode attention (moecg.kernels.mla): heads per program (the rows of its tensor-core tiles,
-    padded to >= 16), cache slots per loop step, warps, pipeline stages, and latent dims per program of the separate
-    merge."""
+    padded to >= 16), cache slots per loop step, warps, pipeline stages, and the separate merge's latent dims and
+    warps per program (one program a head)."""
     heads: int = 16
     block_l: int = 32
     warps: int = 8
     stages: int = 3
     merge_c: int = 64
+    merge_warps: int = 2
 
 
 @dataclass(frozen=True)
