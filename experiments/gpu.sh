@@ -14,7 +14,7 @@
 #                        the H200 image lacks, built by make_wheelhouse.sh); WHEELS= skips the install
 # Suite knobs (defaults are the settings of the committed results): TESTS / TEST_K (pytest paths, -k; `tests`), VARIANTS
 # (`step_variants`), EPS / MODELS / BATCH / RUN_BATCH / STRATEGIES (`ep`), PROJ_MODELS / PROJ_TIMEOUT (`ep_projection`),
-# TRAIN_MODELS / MINUTES (`train_stdlib`), FORMATS (`weights`), STDLIB_MODELS (`fidelity`, `serving_stdlib`), MLA_ATTN_ARGS (`mla_attn`), SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`, `weights_whole`), WHOLE_MODELS / WHOLE_BATCH (`weights_whole`: preset:format ..., batch sizes).
+# TRAIN_MODELS / MINUTES (`train_stdlib`), FORMATS (`weights`), STDLIB_MODELS (`fidelity`, `serving_stdlib`), MLA_ATTN_ARGS (`mla_attn`), SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`, `weights_whole`), LONG_SPECS (`long_context`: "preset layers bs,bs;..." ), WHOLE_MODELS / WHOLE_BATCH (`weights_whole`: preset:format ..., batch sizes).
 set -u -o pipefail
 OUT=${OUT:-experiments/results}
 PASS=new  # or old: the OLD package's pass
@@ -94,13 +94,23 @@ suite_weights_o_split() {  # the o projection split K ways into the norm after i
 }
 suite_long_context() {  # 30k-token prompt, 32k-slot cache, 4096-token prefill chunks; Qwen1.5 bs 1 only (103 GB of KV at bs 8)
   bench long_context
-  local spec preset layers bss
-  for spec in "qwen3_30b_a3b 12 1,8" "mixtral_8x7b 8 1,8" "qwen1_5_moe_a2_7b 24 1"; do
+  local spec preset layers bss specs
+  IFS=';' read -ra specs <<< "${LONG_SPECS:-qwen3_30b_a3b 12 1,8;mixtral_8x7b 8 1,8;qwen1_5_moe_a2_7b 24 1;deepseek_v2_lite 27 1,8}"
+  for spec in "${specs[@]}"; do
     read -r preset layers bss <<< "$spec"
     t "long_${preset}.log" vs_compile --preset "$preset" --num-layers "$layers" --batch ${bss//,/ } \
       --prompt-len 30000 --new-tokens 16 --cache-len 32768 --buckets ${bss//,/ } --prefill-chunk 4096 \
       --skip-compile --skip-hf-generate --strategies full+fused --repeats 1 \
       --out "$D/long_${preset}.md" --json "$D/long_${preset}.json" | grep -E "^\| [0-9]|floor|failed|Error" | head -12
+  done
+}
+suite_long_mla() {  # DeepSeek-V2-Lite (27 layers) at a 30k-token context: the fused step's variants (MLA splits ls=N, merge lm=N) at bs 1 and 8
+  bench long_mla
+  local bs
+  for bs in ${LONG_MLA_BATCH:-1 8}; do
+    t "variants_v2_lite_bs$bs.log" variants --preset deepseek_v2_lite --num-layers 27 --batch "$bs" --prompt-len 30000 \
+      --cache-len 32768 --prefill-chunk 4096 --replays 20 --repeats 3 --variants $D_STEP ${LONG_MLA_VARIANTS:-} \
+      --out "$D/variants_v2_lite_bs$bs.md" --json "$D/variants_v2_lite_bs$bs.json" | grep -E "^\| [0-9]|failed|Error"
   done
 }
 suite_capture() {  # capture time of buckets 1-64, cold and warm Triton cache, at capture.warmup 1 and 3, with a re-capture

@@ -39,7 +39,7 @@ for H, C, R in ((4, 32, 8), (20, 48, 16)):  # 20 heads: two head blocks, the sec
     lat, kr = torch.randn(T, 1, L, C), torch.randn(T, 1, L, R)
     q_lat = torch.randn(H, T, C).transpose(0, 1)  # [T, H, C] strided, as the fused step passes it
     q_pe = torch.randn(T, H, R)
-    wide = MlaTiles(heads=32, block_l=16, warps=4, stages=2, merge_c=16)  # one padded block of 32 heads
+    wide = MlaTiles(heads=32, block_l=16, warps=4, stages=2, merge_tile=64)  # one padded block of 32 heads
     for pos in (torch.tensor(0), torch.tensor(63), torch.tensor(129), torch.tensor([5, 70, 129])):
         want = ref.mla_attn_decode(q_lat, q_pe, lat, kr, pos, 0.3)
         for splits, tiles, merge in ((None, None, None), (1, None, None), (3, None, None), (3, None, 2),

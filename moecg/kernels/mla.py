@@ -203,8 +203,9 @@ def _mla_merge_kernel(pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, chunk, s_pos, s_
                       SPLITS: tl.constexpr, SP: tl.constexpr, SB: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """One program per (row, head, MC latent dims): the merge of MERGE 2 (nothing where one split was active, which
     wrote its output itself). Each program reads its head's [splits] max and sum at once and its [splits, MC] partial
-    values SB splits a load, so the loads of every split are in flight together (a loop of one split a load waits on
-    L2 once per split)."""
+    values SB splits a load (every split at once up to MlaTiles.merge_tile values), so the splits' loads are in
+    flight together: a loop of one split a load waits on L2 once per split, which at 64 splits took 15 of the 48 us
+    of V2-Lite's one-row call at 30k slots (H100, results/mla_attn/)."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -254,17 +255,20 @@ def _mla_merge_blocks_kernel(pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, chunk, s_
 
 SHORT_SPAN = 256
 MERGE_INLINE_MAX = 8  # splits up to which the last split merges in the kernel (MERGE 1); more: _mla_merge_kernel
-MERGE_SPLITS = 16  # splits per load of _mla_merge_kernel ([16, MC] fp32 partial values)
 
 
 def mla_splits(T: int, head_blocks: int, span: int) -> int:
     """Programs per (row, head block) context. Up to SHORT_SPAN slots, the standard decode attention's short rule
-    (~128 programs, >= 64 slots each, <= 16 splits); longer, ~256 programs of >= 128 slots, <= 64 splits. From
-    experiments/bench_mla_attn.py on the H200 (results/mla_attn/): over 36 shapes x rows x contexts, the rules'
-    choices took 1.02x the best variant's time in sum, 1.48x at worst (V3, T 1, 256 slots: 7.0 against 4.7 us)."""
+    (~128 programs, >= 64 slots each, <= 16 splits). Longer, >= 128 slots a split, at most 128 splits, over ~128
+    programs while rows x head blocks are under 16, else ~256: with the merge kernel one program a head, each
+    split's partials cost a [heads, C] fp32 write and read, so past one program an SM more splits cost more than they
+    hide. From experiments/bench_mla_attn.py (results/mla_attn/, H100): V2-Lite at 30k slots, the best split count
+    of 16-256 at T 1 / 2 / 4 / 8 / 16 / 64 was 128 / 64 / 32 / 16 / 16 / 4; at 4k slots 64 (within 7% at 32) / 32 /
+    32 / 16 / 16 / 4."""
     if span <= SHORT_SPAN:
         return short_splits(T, head_blocks, span)
-    return max(1, min(256 // max(1, T * head_blocks), span // 128, 64))
+    work = max(1, T * head_blocks)
+    return max(1, min((128 if work < 16 else 256) // work, span // 128, 128))
 
 
 @dry_zeros
@@ -299,10 +303,12 @@ def mla_attn_decode(q_lat, q_pe, latents, rope_keys, pos, scaling: float, splits
         H=H, HB=HB, HP=HP, C=C, CP=CP, R=R, RP=max(16, p2(R)), BLOCK_L=tl_.block_l, SPLIT=splits > 1,
         MERGE=merge, num_warps=tl_.warps, num_stages=tl_.stages, **pdl_args(q_lat.device))
     if splits > 1 and merge == 2:
-        MC = min(CP, tl_.merge_c)
+        SP = p2(splits)
+        SB = min(SP, max(1, tl_.merge_tile // 16))  # every split in one load up to merge_tile // 16 of them
+        MC = min(CP, max(16, tl_.merge_tile // SB))
         launch(_mla_merge_kernel, (T, H, CP // MC), pos, o, m, l_, acc, T, chunk, pos_stride(pos, T),
-               o.stride(0), o.stride(1), H=H, HB=HB, HP=HP, C=C, CP=CP, MC=MC, SPLITS=splits, SP=p2(splits),
-               SB=min(MERGE_SPLITS, p2(splits)), num_warps=tl_.merge_warps, **pdl_args(q_lat.device))
+               o.stride(0), o.stride(1), H=H, HB=HB, HP=HP, C=C, CP=CP, MC=MC, SPLITS=splits, SP=SP, SB=SB,
+               num_warps=tl_.merge_warps, **pdl_args(q_lat.device))
     if splits > 1 and merge == 3:
         MC = min(CP, 64)
         launch(_mla_merge_blocks_kernel, (T, n_hb, CP // MC), pos, o, m, l_, acc, T, chunk, pos_stride(pos, T),

@@ -226,14 +226,14 @@ def norm_warps(T: int, D: int, KK: int) -> int:
 @dataclass(frozen=True)
 class MlaTiles:
     """Tiles of the MLA decode attention (moecg.kernels.mla): heads per program (the rows of its tensor-core tiles,
-    padded to >= 16), cache slots per loop step, warps, pipeline stages, and the separate merge's latent dims and
-    warps per program (one program a head)."""
+    padded to >= 16), cache slots per loop step, warps, pipeline stages, and the separate merge's partial values per
+    load (splits x latent dims, fp32) and warps (one program a head and latent-dim slice)."""
     heads: int = 16
     block_l: int = 32
     warps: int = 8
     stages: int = 3
-    merge_c: int = 64
-    merge_warps: int = 2
+    merge_tile: int = 4096
+    merge_warps: int = 4
 
 
 @dataclass(frozen=True)
