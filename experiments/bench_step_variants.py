@@ -21,7 +21,8 @@ Variants (names: `+`-joined switches on top of `base`):
   mb=N     the split attention's merge loading N splits' partial outputs at a time (triton_ops.attn_merge_block)
   as=N     N splits per (row, kv head) context for the decode attention (triton_ops.attn_splits' choice otherwise)
   ls=N     N splits per (row, head block) context for MLA's decode attention (mla.mla_splits' choice otherwise);
-           lm=N: its merge (1 in the kernel, 2 the merge kernel; mla.mla_attn_decode's choice otherwise)
+           lm=N: its merge (1 in the kernel, 2 the merge kernel; mla.mla_attn_decode's choice otherwise); lt=0: its
+           attention kernel not triggering its successor early (MlaTiles.pdl_trigger False)
   ok=N     the o projection on the Triton GEMV split N ways over K (GemvTiles.split_k: fp32 partial rows that the
            norm after it adds), on the table's tiles (bf16 shapes the table leaves to cuBLAS: 16 x 256)
   F=N      a MoE tile field (moecg.kernels.tiles.MoeTiles: up_n, up_k, down_n, down_k, warps, stages, block_m)
@@ -78,7 +79,7 @@ def parse_variant(name: str) -> dict:
             v["nw"] = int(p[3:])
         elif p.startswith("ok=") and p[3:].isdigit():  # the o projection's split-K
             v["ok"] = int(p[3:])
-        elif p[:3] in ("mb=", "as=", "ls=", "lm=") and p[3:].isdigit():  # the attention's merge block / split count
+        elif p[:3] in ("mb=", "as=", "ls=", "lm=", "lt=") and p[3:].isdigit():  # the attention's merge block / split count
             v[p[:2]] = int(p[3:])
         elif p.split(".")[0] in ("g", "gn") and "=" in p and p.split(".")[-1].split("=")[0] in GEMV_FIELDS:
             key = "gemv_tiles" if p.startswith("g.") else "gemv_new"  # e.g. g.rows=1, gn.rows=1
@@ -93,7 +94,7 @@ def parse_variant(name: str) -> dict:
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ls=N, lm=N, ok=N, F=N, g.F=N, "
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ls=N, lm=N, lt=0, ok=N, F=N, g.F=N, "
                              "gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
     return v
 
@@ -103,7 +104,7 @@ ATTN_DECODE, MLA_ATTN_DECODE = triton_ops.attn_decode, triton_ops.mla_attn_decod
 LINEAR_PARTIALS = triton_ops.linear_partials
 GEMV_RULES, NORM_WARPS = tiles_mod.GEMV_RULES, tiles_mod.norm_warps
 FP8_GEMV_TILES, GEMV_TILES = tiles_mod.fp8_gemv_tiles, tiles_mod.gemv_tiles
-HEAD_TILES, ROUTER_TILES = tiles_mod.head_tiles, tiles_mod.router_tiles
+HEAD_TILES, ROUTER_TILES, MLA_TILES = tiles_mod.head_tiles, tiles_mod.router_tiles, tiles_mod.mla_tiles
 
 
 def set_variant(v: dict) -> None:
@@ -119,6 +120,8 @@ def set_variant(v: dict) -> None:
     hk, hv = v.get("hk", {}), v.get("hv", {})
     tiles_mod.head_tiles = HEAD_TILES if not (hk or hv) else (
         lambda T, N, K, nc: dataclasses.replace(HEAD_TILES(T, N, K, nc), **(hk if nc else hv)))
+    tiles_mod.mla_tiles = MLA_TILES if "lt" not in v else (
+        lambda T, H, C, L: dataclasses.replace(MLA_TILES(T, H, C, L), pdl_trigger=bool(v["lt"])))
     rt = v.get("rt", {})
     tiles_mod.router_tiles = ROUTER_TILES if rt == {} else (lambda T, E, D: None) if rt is None else (
         lambda T, E, D: dataclasses.replace(ROUTER_TILES(T, E, D), **rt))

@@ -113,7 +113,7 @@ def mla_rope_cache(kv, q, pos, cos, sin, latents, rope_keys, kv_norm, eps: float
 # tensor-core tiles: scores [HP, BLOCK_L] = q_lat . latent^T + q_pe . rope_key^T, then acc [HP, CP] += p . latent.
 # Splits > 1 store partial (max, sum, acc). MERGE 1: the split of a (row, head block) that finishes last (an arrival
 # counter) merges them in split order, in the same kernel, as the standard decode attention does. MERGE 2: the
-# partials are merged by _mla_merge_kernel, one program per (row, head block, MC latent dims): the merge reads
+# partials are merged by _mla_merge_kernel, one program per (row, head, MC latent dims): the merge reads
 # splits x HP x CP fp32, too much for one program when the splits are many.
 @triton.jit(do_not_specialize=["T", "chunk"])
 def _mla_attn_kernel(ql_ptr, qp_ptr, lat_ptr, kr_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, sem_ptr,
@@ -235,24 +235,6 @@ def _mla_merge_kernel(pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, chunk, s_pos, s_
         tl.store(o_ptr + t * s_ot + h * s_oh + c, out.to(o_ptr.dtype.element_ty), mask=cm)
 
 
-@triton.jit(do_not_specialize=["T", "chunk"])
-def _mla_merge_blocks_kernel(pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, chunk, s_pos, s_ot, s_oh, H: tl.constexpr,
-                      HB: tl.constexpr, HP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, MC: tl.constexpr,
-                      SPLITS: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    pdl_enter(USE_PDL)
-    t = tl.program_id(0)
-    hb = tl.program_id(1)
-    n_act = tl.cdiv(tl.load(pos_ptr + t * s_pos) + 1, chunk)
-    if n_act > 1:
-        hi = tl.arange(0, HP)
-        h = hb * HB + hi
-        hm = (hi < HB) & (h < H)
-        c = tl.program_id(2) * MC + tl.arange(0, MC)
-        cm = c < C
-        row0 = (t * tl.num_programs(1) + hb) * SPLITS
-        _mla_merge(m_ptr, l_ptr, acc_ptr, o_ptr + t * s_ot, row0, n_act, h, hi, hm, c, cm, s_oh, HP, CP, MC)
-
-
 SHORT_SPAN = 256
 MERGE_INLINE_MAX = 8  # splits up to which the last split merges in the kernel (MERGE 1); more: _mla_merge_kernel
 
@@ -286,6 +268,8 @@ def mla_attn_decode(q_lat, q_pe, latents, rope_keys, pos, scaling: float, splits
     splits = max(1, min(splits or mla_splits(T, n_hb, L), max(1, L // 64)))
     chunk = triton.cdiv(triton.cdiv(L, splits), 64) * 64
     splits = triton.cdiv(L, chunk)
+    if merge not in (None, 1, 2):
+        raise ValueError(f"mla_attn_decode merge={merge!r}: 1 (in the kernel) or 2 (the merge kernel)")
     merge = (merge or (1 if splits <= MERGE_INLINE_MAX else 2)) if splits > 1 else 1
     CP = p2(C)
     o = torch.empty(T, H, C, dtype=q_lat.dtype, device=q_lat.device)
@@ -301,7 +285,7 @@ def mla_attn_decode(q_lat, q_pe, latents, rope_keys, pos, scaling: float, splits
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), latents.stride(0), latents.stride(2),
         rope_keys.stride(0), rope_keys.stride(2), o.stride(0), o.stride(1),
         H=H, HB=HB, HP=HP, C=C, CP=CP, R=R, RP=max(16, p2(R)), BLOCK_L=tl_.block_l, SPLIT=splits > 1,
-        MERGE=merge, num_warps=tl_.warps, num_stages=tl_.stages, **pdl_args(q_lat.device))
+        MERGE=merge, num_warps=tl_.warps, num_stages=tl_.stages, **pdl_args(q_lat.device, tl_.pdl_trigger))
     if splits > 1 and merge == 2:
         SP = p2(splits)
         SB = min(SP, max(1, tl_.merge_tile // 16))  # every split in one load up to merge_tile // 16 of them
@@ -309,9 +293,4 @@ def mla_attn_decode(q_lat, q_pe, latents, rope_keys, pos, scaling: float, splits
         launch(_mla_merge_kernel, (T, H, CP // MC), pos, o, m, l_, acc, T, chunk, pos_stride(pos, T),
                o.stride(0), o.stride(1), H=H, HB=HB, HP=HP, C=C, CP=CP, MC=MC, SPLITS=splits, SP=SP, SB=SB,
                num_warps=tl_.merge_warps, **pdl_args(q_lat.device))
-    if splits > 1 and merge == 3:
-        MC = min(CP, 64)
-        launch(_mla_merge_blocks_kernel, (T, n_hb, CP // MC), pos, o, m, l_, acc, T, chunk, pos_stride(pos, T),
-               o.stride(0), o.stride(1), H=H, HB=HB, HP=HP, C=C, CP=CP, MC=MC, SPLITS=splits, num_warps=4,
-               **pdl_args(q_lat.device))
     return o

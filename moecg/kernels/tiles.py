@@ -234,6 +234,7 @@ class MlaTiles:
     stages: int = 3
     merge_tile: int = 4096
     merge_warps: int = 4
+    pdl_trigger: bool = True  # under PDL mode 2, the attention kernel triggers its successor's launch at its start
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,7 @@ MLA_RULES: tuple[MlaRule, ...] = (
     MlaRule(MlaTiles(64, 32, 8, 2), heads=(64, math.inf), slots=(0, 257), work=(8192, math.inf)),
     MlaRule(MlaTiles(16, 64, 8, 2), slots=(0, 257)),
     MlaRule(MlaTiles(64, 32, 8, 2), heads=(64, math.inf), work=(2048, math.inf)),
+    MlaRule(MlaTiles(64, 32, 8, 2), heads=(64, math.inf), slots=(16384, math.inf)),
     MlaRule(MlaTiles(16, 32, 4, 3)),
 )
 
