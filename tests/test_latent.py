@@ -169,18 +169,21 @@ def test_triton_latent_kernels_under_interpreter():
 
 
 def test_mla_tile_and_split_rules():
-    """tiles.mla_tiles / mla.mla_splits, as measured (experiments/results/mla_attn/): 64-head blocks where heads x rows
-    are many, 64 slots a step at short caches, 4 warps elsewhere; past 256 slots ~256 programs of >= 128 slots, at
-    most 64 splits; the tiny test models (latent < 512) keep the first-written tiles."""
+    """tiles.mla_tiles / mla.mla_splits, as measured (experiments/results/mla_attn/, long_mla/): 64-head blocks where
+    heads x rows are many or the cache is long, 64 slots a step at short caches, 4 warps elsewhere; past 256 slots
+    ~128 programs under 8 rows x head blocks, else ~256, >= 128 slots each, at most 128 splits; the tiny test models
+    (latent < 512) keep the first-written tiles."""
     from moecg.kernels.mla import MERGE_INLINE_MAX, mla_splits
     from moecg.kernels.tiles import MlaTiles, mla_tiles
 
     assert mla_tiles(64, 128, 512, 256) == MlaTiles(64, 32, 8, 2)  # V3, 64 rows, short cache
     assert mla_tiles(16, 128, 512, 256) == MlaTiles(16, 64, 8, 2)
     assert mla_tiles(16, 128, 512, 32768) == MlaTiles(64, 32, 8, 2) == mla_tiles(32, 64, 512, 4096)
+    assert mla_tiles(1, 128, 512, 32768) == MlaTiles(64, 32, 8, 2) == mla_tiles(1, 64, 512, 16384)  # long caches
     assert mla_tiles(16, 64, 512, 4096) == MlaTiles(16, 32, 4, 3) == mla_tiles(64, 16, 512, 32768)  # Kimi / V2-Lite
+    assert mla_tiles(1, 128, 512, 4096) == MlaTiles(16, 32, 4, 3)
     assert mla_tiles(3, 4, 32, 64) == MlaTiles(block_l=64, warps=4)
     assert [mla_splits(T, 1, 256) for T in (1, 8, 64)] == [4, 4, 2]  # the short rule, as the standard attention's
-    assert [mla_splits(T, nhb, 32768) for T, nhb in ((1, 1), (4, 1), (16, 1), (64, 1), (1, 8), (16, 2))] == \
-        [64, 64, 16, 4, 32, 8]
+    assert [mla_splits(T, 1, 32768) for T in (1, 2, 4, 8, 16, 64)] == [128, 64, 32, 32, 16, 4]  # V2-Lite
+    assert [mla_splits(T, nhb, 32768) for T, nhb in ((1, 2), (2, 2), (4, 2), (1, 8), (16, 2))] == [64, 32, 32, 32, 8]
     assert mla_splits(1, 1, 4096) == 32 and mla_splits(128, 2, 32768) == 1 and MERGE_INLINE_MAX == 8

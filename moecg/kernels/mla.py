@@ -242,15 +242,16 @@ MERGE_INLINE_MAX = 8  # splits up to which the last split merges in the kernel (
 def mla_splits(T: int, head_blocks: int, span: int) -> int:
     """Programs per (row, head block) context. Up to SHORT_SPAN slots, the standard decode attention's short rule
     (~128 programs, >= 64 slots each, <= 16 splits). Longer, >= 128 slots a split, at most 128 splits, over ~128
-    programs while rows x head blocks are under 16, else ~256: with the merge kernel one program a head, each
-    split's partials cost a [heads, C] fp32 write and read, so past one program an SM more splits cost more than they
-    hide. From experiments/bench_mla_attn.py (results/mla_attn/, H100): V2-Lite at 30k slots, the best split count
-    of 16-256 at T 1 / 2 / 4 / 8 / 16 / 64 was 128 / 64 / 32 / 16 / 16 / 4; at 4k slots 64 (within 7% at 32) / 32 /
-    32 / 16 / 16 / 4."""
+    programs while rows x head blocks are under 8, else ~256. With the merge kernel one program a head, each split's
+    partials cost a [heads, C] fp32 write and read, so where one head block reads the latent (V2-Lite, 16 heads) one
+    program an SM beat two: from experiments/bench_mla_attn.py on an H100 (results/mla_attn/), V2-Lite at 30k slots,
+    the best of 16-256 splits at T 1 / 2 / 4 was 128 / 64 / 32. At T 8 the kernel alone was 5% faster at 16 splits
+    than 32, but the captured 27-layer step 6% slower (10.23 against 9.64 ms, PDL's early launches beside 128
+    programs; results/long_mla/), so from 8 rows x head blocks ~256 as before."""
     if span <= SHORT_SPAN:
         return short_splits(T, head_blocks, span)
     work = max(1, T * head_blocks)
-    return max(1, min((128 if work < 16 else 256) // work, span // 128, 128))
+    return max(1, min((128 if work < 8 else 256) // work, span // 128, 128))
 
 
 @dry_zeros

@@ -255,6 +255,9 @@ class MlaRule:
 # the heads x rows are many, as the score and value products then bound the kernel (V3 T 64 at 32k: 2.94 ms, 182
 # TFLOP/s, against 5.52 ms with 16-head blocks); short caches: 64 slots a step, 8 warps (4.7 against 6.1 us, one
 # split); else 16 heads, 32 slots, 4 warps (V2-Lite T 64 at 32k: 95% of the copy bandwidth, against 65% at 8 warps).
+# Caches of 16k+ slots: 64-head blocks for 64+ heads at any row count (H100, 32k slots, with the merge kernel one
+# program a head: V3 T 1 / 4 / 8 71 / 225 / 436 us against 73 / 268 / 515 with 16-head blocks, Kimi-K2 T 2 / 4 / 8
+# 75 / 129 / 229 against 76 / 137 / 268; at 4k slots 16-head blocks stay as fast or faster).
 MLA_RULES: tuple[MlaRule, ...] = (
     MlaRule(MlaTiles(64, 32, 8, 2), heads=(64, math.inf), slots=(0, 257), work=(8192, math.inf)),
     MlaRule(MlaTiles(16, 64, 8, 2), slots=(0, 257)),
