@@ -19,7 +19,8 @@ Variants (names: `+`-joined switches on top of `base`):
            its blocks exit)
   nw=N     add_rmsnorm with N warps (moecg.kernels.tiles.norm_warps)
   mb=N     the split attention's merge loading N splits' partial outputs at a time (triton_ops.attn_merge_block)
-  as=N     N splits per (row, kv head) context for the decode attention (triton_ops.attn_splits' choice otherwise)
+  as=N     N splits per (row, kv head) context for the decode attention (triton_ops.attn_splits' choice otherwise);
+           am=N: its merge (1 in the kernel, 2 the merge kernel)
   ls=N     N splits per (row, head block) context for MLA's decode attention (mla.mla_splits' choice otherwise);
            lm=N: its merge (1 in the kernel, 2 the merge kernel; mla.mla_attn_decode's choice otherwise); lt=0: its
            attention kernel not triggering its successor early (MlaTiles.pdl_trigger False)
@@ -79,7 +80,7 @@ def parse_variant(name: str) -> dict:
             v["nw"] = int(p[3:])
         elif p.startswith("ok=") and p[3:].isdigit():  # the o projection's split-K
             v["ok"] = int(p[3:])
-        elif p[:3] in ("mb=", "as=", "ls=", "lm=", "lt=") and p[3:].isdigit():  # the attention's merge block / split count
+        elif p[:3] in ("mb=", "as=", "am=", "ls=", "lm=", "lt=") and p[3:].isdigit():  # the attention's merge block / split count
             v[p[:2]] = int(p[3:])
         elif p.split(".")[0] in ("g", "gn") and "=" in p and p.split(".")[-1].split("=")[0] in GEMV_FIELDS:
             key = "gemv_tiles" if p.startswith("g.") else "gemv_new"  # e.g. g.rows=1, gn.rows=1
@@ -94,7 +95,7 @@ def parse_variant(name: str) -> dict:
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, ls=N, lm=N, lt=0, ok=N, F=N, g.F=N, "
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, am=N, ls=N, lm=N, lt=0, ok=N, F=N, g.F=N, "
                              "gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
     return v
 
@@ -140,9 +141,10 @@ def set_variant(v: dict) -> None:
     def attn_decode(*a, **kw):
         kw.setdefault("splits", v.get("as"))
         kw.setdefault("merge_block", v.get("mb"))
+        kw.setdefault("merge", v.get("am"))
         return ATTN_DECODE(*a, **kw)
 
-    triton_ops.attn_decode = attn_decode if ("as" in v or "mb" in v) else ATTN_DECODE
+    triton_ops.attn_decode = attn_decode if ("as" in v or "mb" in v or "am" in v) else ATTN_DECODE
 
     def mla_attn_decode(*a, **kw):
         kw.setdefault("splits", v.get("ls"))

@@ -122,8 +122,8 @@ def test_norm_route_matches_reference(shape, T):
 @pytest.mark.parametrize("T", [1, 8])
 def test_attention_split_merge_in_kernel_long_context(T):
     """Long contexts split the keys over many programs; only the splits holding keys at the position run, and the last
-    of them to finish merges in the kernel (one alone writes the output): every split count gives the reference's
-    values, the same bits on a second call, and the counters go back to 0."""
+    of them to finish merges in the kernel (one alone writes the output), or a merge kernel after it: every split
+    count and merge gives the reference's values, the same bits on a second call, and the counters go back to 0."""
     g = torch.Generator(device="cuda").manual_seed(T)
     Hq, Hkv, Dh, L = 32, 4, 128, 8192
     q = torch.randn(T, Hq, Dh, device="cuda", generator=g).to(BF)
@@ -138,9 +138,11 @@ def test_attention_split_merge_in_kernel_long_context(T):
         p_t = p if isinstance(p, torch.Tensor) else torch.tensor(p, device="cuda")
         want = ref.attn_decode(q, keys, vals, p_t, Dh ** -0.5, window, sinks=sk)
         for splits in (None, 1, 7, 64, 128):
-            got = tri.attn_decode(q, keys, vals, p_t, Dh ** -0.5, window, sinks=sk, splits=splits)
-            _close(got, want)
-            assert torch.equal(got, tri.attn_decode(q, keys, vals, p_t, Dh ** -0.5, window, sinks=sk, splits=splits))
+            for merge in (1, 2):  # in the kernel, or the merge kernel one program a query head
+                got = tri.attn_decode(q, keys, vals, p_t, Dh ** -0.5, window, sinks=sk, splits=splits, merge=merge)
+                _close(got, want)
+                assert torch.equal(got, tri.attn_decode(q, keys, vals, p_t, Dh ** -0.5, window, sinks=sk,
+                                                        splits=splits, merge=merge))
     assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())
 
 

@@ -53,6 +53,13 @@ for p, window, sk in ((150, 0, None), (199, 0, sinks), (180, 100, None), (60, 0,
     for mb in (1, 2, 4):
         close(ref.attn_decode(q, keys2, vals2, torch.tensor(p), 0.25, window, sinks=sk),
               tri.attn_decode(q, keys2, vals2, torch.tensor(p), 0.25, window, sinks=sk, splits=3, merge_block=mb))
+# the merge kernel (merge 2): one program a query head, its splits' partials in one load here; the sink in its max
+# and sum; per-row positions, one row with a single active split (which writes its output itself)
+for p, window, sk in ((150, 0, None), (199, 0, sinks), (180, 100, sinks), (torch.tensor([199, 20, 120]), 0, sinks)):
+    for splits in (2, 3):
+        pos = p if isinstance(p, torch.Tensor) else torch.tensor(p)
+        close(ref.attn_decode(q, keys2, vals2, pos, 0.25, window, sinks=sk),
+              tri.attn_decode(q, keys2, vals2, pos, 0.25, window, sinks=sk, splits=splits, merge=2))
 assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())
 logits = torch.randn(T, E + 3)[:, :E]
 for norm in (True, False):

@@ -41,7 +41,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                         G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BLOCK_L: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, EAGER: tl.constexpr,
                         TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr, SB: tl.constexpr = 1,
-                        USE_PDL: tl.constexpr = 0):
+                        USE_PDL: tl.constexpr = 0, MERGE: tl.constexpr = 1):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     hk = tl.program_id(1)
@@ -125,12 +125,13 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                 tl.store(m_ptr + (row0 + sp) * GP + gi, m_i)
                 tl.store(l_ptr + (row0 + sp) * GP + gi, l_i)
                 tl.store(acc_ptr + ((row0 + sp) * GP + gi)[:, None] * DH + d[None, :], acc, mask=gm[:, None])
-                tl.debug_barrier()
-                done = tl.atomic_add(sem_ptr + head, 1, sem="acq_rel", scope="gpu")
-                if done == n_act - 1:  # the others' partials are visible (acquire)
-                    _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, n_act, G, GP, DH,
-                                HAS_SINK, SB)
-                    tl.store(sem_ptr + head, 0)  # zero again for the next call (and graph replay)
+                if MERGE == 1:  # else _attn_merge_kernel, launched after this kernel, merges
+                    tl.debug_barrier()
+                    done = tl.atomic_add(sem_ptr + head, 1, sem="acq_rel", scope="gpu")
+                    if done == n_act - 1:  # the others' partials are visible (acquire)
+                        _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, n_act, G, GP, DH,
+                                    HAS_SINK, SB)
+                        tl.store(sem_ptr + head, 0)  # zero again for the next call (and graph replay)
 
 
 @triton.jit
@@ -170,6 +171,51 @@ def _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, split
              mask=gm[:, None])
 
 
+@triton.jit(do_not_specialize=["T", "window", "chunk"])
+def _attn_merge_kernel(pos_ptr, sink_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, window, chunk, s_pos, s_ot,
+                       G: tl.constexpr, DH: tl.constexpr, GP: tl.constexpr, HAS_SINK: tl.constexpr,
+                       SPLITS: tl.constexpr, SP: tl.constexpr, SB: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    """Merge 2: one program per (row, query head) merges its kv head's split partials (nothing where one split was
+    active, which wrote its output itself). It reads the head's [splits] max and sum at once and its [splits, DH]
+    partial values SB splits a load, so the splits' loads are in flight together, where the in-kernel merge (merge 1)
+    of the last split waits on L2 once per SB splits, for all G heads of its kv head in one program."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(pos_ptr + t * s_pos) + 1
+    lo = tl.where(window > 0, tl.maximum(n - window, 0), 0)
+    n_act = tl.cdiv(n - lo, chunk)
+    if n_act > 1:
+        hk = h // G
+        gi = h % G
+        row0 = (t * tl.cdiv(tl.num_programs(1), G) + hk) * SPLITS
+        j = tl.arange(0, SP)
+        ms = tl.load(m_ptr + (row0 + j) * GP + gi, mask=j < n_act, other=float("-inf"), cache_modifier=".cg")  # [SP]
+        m = tl.max(ms, axis=0)
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + h).to(tl.float32)
+            m = tl.maximum(m, sink)
+        sc = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
+        l_tot = tl.sum(tl.load(l_ptr + (row0 + j) * GP + gi, mask=j < n_act, other=0.0, cache_modifier=".cg") * sc,
+                       axis=0)
+        if HAS_SINK:
+            l_tot += tl.exp(sink - m)
+        d = tl.arange(0, DH)
+        acc = tl.zeros([DH], dtype=tl.float32)
+        for s0 in range(0, n_act, SB):
+            jb = s0 + tl.arange(0, SB)
+            jm = jb < n_act
+            mb = tl.load(m_ptr + (row0 + jb) * GP + gi, mask=jm, other=float("-inf"), cache_modifier=".cg")  # [SB]
+            sb = tl.where(mb == float("-inf"), 0.0, tl.exp(mb - m))
+            a = tl.load(acc_ptr + ((row0 + jb) * GP + gi)[:, None] * DH + d[None, :], mask=jm[:, None], other=0.0,
+                        cache_modifier=".cg")  # [SB, DH]
+            acc += tl.sum(a * sb[:, None], axis=0)
+        tl.store(o_ptr + t * s_ot + h * DH + d, (acc / l_tot).to(o_ptr.dtype.element_ty))
+
+
+MERGE_TILE = 4096  # partial values per load of _attn_merge_kernel (SB splits x DH, fp32)
+
+
 LONG_SPAN = 4096  # slots above which attn_splits aims at more programs (long contexts)
 
 
@@ -206,9 +252,13 @@ def attn_merge_block(GP: int, Dh: int) -> int:
 
 @dry_zeros
 def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None, eager: bool = False,
-                splits: int | None = None, merge_block: int | None = None):
+                splits: int | None = None, merge_block: int | None = None, merge: int | None = None):
     """splits: programs per (row, kv head) context (None: attn_splits' choice; benchmarks pass their own).
-    merge_block: splits per load of the merge (None: attn_merge_block's choice)."""
+    merge_block: splits per load of the in-kernel merge (None: attn_merge_block's choice). merge: 1 the last split
+    merges in the kernel, 2 _attn_merge_kernel after it (None: 1)."""
+    if merge not in (None, 1, 2):
+        raise ValueError(f"attn_decode merge={merge!r}: 1 (in the kernel) or 2 (the merge kernel)")
+    merge = merge or 1
     T, Hq, Dh = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
@@ -230,12 +280,18 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
         m = l_ = acc = o
     sk = sinks if sinks is not None else o
     assert sinks is None or (sinks.is_contiguous() and sinks.numel() == Hq)
-    sems = split_sems(q.device, T * Hkv, "attn") if splits > 1 else o
+    sems = split_sems(q.device, T * Hkv, "attn") if splits > 1 and merge == 1 else o
     launch(_attn_decode_kernel, (T, Hkv, splits),
         q, keys, values, pos, sk, o, m, l_, acc, sems, T, scaling, window, chunk, pos_stride(pos, T), q.stride(0),
         q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, HAS_SINK=sinks is not None, EAGER=eager,
         TWO_PASS=two_pass, SUB_ROUND=two_pass and sinks.dtype == q.dtype,
-        SB=merge_block or attn_merge_block(GP, Dh), num_warps=4, **pdl_args(q.device))
+        SB=merge_block or attn_merge_block(GP, Dh), MERGE=merge if splits > 1 else 1, num_warps=4,
+        **pdl_args(q.device))
+    if splits > 1 and merge == 2:
+        SP = p2(splits)
+        launch(_attn_merge_kernel, (T, Hq), pos, sk, o, m, l_, acc, T, window, chunk, pos_stride(pos, T), o.stride(0),
+               G=G, DH=Dh, GP=GP, HAS_SINK=sinks is not None, SPLITS=splits, SP=SP,
+               SB=min(SP, max(1, MERGE_TILE // Dh)), num_warps=4, **pdl_args(q.device))
     return o
