@@ -1,5 +1,5 @@
-"""Triton kernel of the fused decode step's attention: one query token per row against its KV cache, the context
-split over programs and merged inside the kernel. Same signature as `moecg.kernels.ref.attn_decode`, plus the split
+"""Triton kernels of the fused decode step's attention: one query token per row against its KV cache, the context
+split over programs and merged inside the kernel (or, past MERGE_INLINE_MAX splits, by a merge kernel after it). Same signature as `moecg.kernels.ref.attn_decode`, plus the split
 choices a benchmark may pass.
 
 Dims as in ref.py: T tokens, Hq / Hkv query / key-value heads, G = Hq / Hkv query heads per kv head (GP: padded to a
@@ -21,9 +21,9 @@ from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, pos
 # decode attention: one program per (row, kv head, split of the context); the query heads of a kv group
 # form the rows of a tensor-core tile. Splits > 1 write partial (max, sum, acc); the split of a (row, kv head)
 # that finishes last (an arrival counter) merges them in split order, in the same kernel, so the result does not
-# depend on which split ends last. Attention sinks (GPT-OSS) are one more logit per head with no value: they
-# start the running (max, sum) at (sink, 1) -- in the merge when the context is split -- and never touch the
-# accumulator.
+# depend on which split ends last (MERGE 1), or _attn_merge_kernel does, after it (MERGE 2). Attention sinks
+# (GPT-OSS) are one more logit per head with no value: they start the running (max, sum) at (sink, 1) -- in the
+# merge when the context is split -- and never touch the accumulator.
 # EAGER rounds the scores as HF's eager attention does (model dtype after QK and after the scaling); with sinks it
 # also rounds the max-subtracted logits, which needs the final max first: TWO_PASS reads K twice (max, then the
 # softmax with that max fixed), in one split.
@@ -214,6 +214,10 @@ def _attn_merge_kernel(pos_ptr, sink_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, windo
 
 
 MERGE_TILE = 4096  # partial values per load of _attn_merge_kernel (SB splits x DH, fp32)
+# Splits above which the merge kernel merges (merge 2), else the last split in the kernel (merge 1). Measured at 64
+# splits: Qwen3-30B-A3B 12 layers, one row at a 30k-token context, 1.433 -> 1.322 ms a step (H100,
+# experiments/results/step_variants/variants_qwen3_long_am.md); 17-32 splits (Mixtral's one row) not measured.
+MERGE_INLINE_MAX = 32
 
 
 LONG_SPAN = 4096  # slots above which attn_splits aims at more programs (long contexts)
@@ -255,10 +259,9 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
                 splits: int | None = None, merge_block: int | None = None, merge: int | None = None):
     """splits: programs per (row, kv head) context (None: attn_splits' choice; benchmarks pass their own).
     merge_block: splits per load of the in-kernel merge (None: attn_merge_block's choice). merge: 1 the last split
-    merges in the kernel, 2 _attn_merge_kernel after it (None: 1)."""
+    merges in the kernel, 2 _attn_merge_kernel after it (None: 2 above MERGE_INLINE_MAX splits)."""
     if merge not in (None, 1, 2):
         raise ValueError(f"attn_decode merge={merge!r}: 1 (in the kernel) or 2 (the merge kernel)")
-    merge = merge or 1
     T, Hq, Dh = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
@@ -271,6 +274,7 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     two_pass = eager and sinks is not None
     if two_pass:
         splits, chunk = 1, span
+    merge = merge or (2 if splits > MERGE_INLINE_MAX else 1)
     o = torch.empty(T, Hq * Dh, dtype=q.dtype, device=q.device)
     if splits > 1:
         m = torch.empty(T * Hkv * splits, GP, dtype=torch.float32, device=q.device)
