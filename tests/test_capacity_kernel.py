@@ -221,7 +221,7 @@ def test_kernels_compile_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from moecg.kernels import attention, capacity as cap, gemv, moe, norm_rope, routers
+    from moecg.kernels import attention, capacity as cap, gemv, mla, moe, norm_rope, routers
 
     types = dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", keep_ptr="*i8", slot_ptr="*i32", nk_ptr="*i32",
                  cnt_ptr="*i64", drop_ptr="*i64", mass_ptr="*fp32", dmass_ptr="*fp32", cap_ptr="*i64",
@@ -282,11 +282,20 @@ def test_kernels_compile_for_hopper():
     build(routers._route_topk_softmax_kernel, dict(K=4, KP=4, BLOCK_E=32, USE_PDL=2))
     build(norm_rope._add_rmsnorm_kernel, dict(KK=4, HAS_RES=True, HAS_SHARED=True, HAS_SGATE=True, HAS_VALID=False,
                                               CAST_LAST=False, BLOCK_D=2048, USE_PDL=2))
-    for G, Dh, split, sb in ((8, 128, True, 1), (1, 128, True, 4), (16, 64, True, 2), (16, 64, False, 1)):
+    for G, Dh, split, sb, merge in ((8, 128, True, 1, 1), (1, 128, True, 4, 1), (16, 64, True, 2, 1),
+                                    (16, 64, False, 1, 1), (8, 128, True, 4, 2)):
         # decode attention (Qwen3, Qwen1.5, GPT-OSS heads): active splits only, the merge unrolled SB splits at a time
+        # in the kernel (merge 1) or left to the merge kernel (2)
         GP = max(16, triton.next_power_of_2(G))
         build(attention._attn_decode_kernel, dict(G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=split, HAS_SINK=Dh == 64,
-                                                  EAGER=False, TWO_PASS=False, SUB_ROUND=False, SB=sb, USE_PDL=2))
+                                                  EAGER=False, TWO_PASS=False, SUB_ROUND=False, SB=sb, USE_PDL=2,
+                                                  MERGE=merge))
+    for G, Dh, sink in ((8, 128, False), (8, 64, True)):  # the merge kernels: every split at once, in SB-split loads
+        build(attention._attn_merge_kernel, dict(G=G, DH=Dh, GP=16, HAS_SINK=sink, SPLITS=64, SP=64, SB=32, USE_PDL=2),
+              sink_ptr="*bf16", o_ptr="*bf16")
+    for SP, SB, MC in ((128, 128, 32), (16, 16, 256), (256, 64, 64)):  # MLA's, V2-Lite's 16 heads (C 512)
+        build(mla._mla_merge_kernel, dict(H=16, HB=16, HP=16, C=512, CP=512, MC=MC, SPLITS=SP, SP=SP, SB=SB,
+                                          USE_PDL=2))
     from moecg.kernels.tiles import GEMV_RULES
     for i, rule in enumerate(GEMV_RULES):  # the small-batch GEMV at the table's tiles
         t = rule.tiles
