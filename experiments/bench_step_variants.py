@@ -80,7 +80,7 @@ def parse_variant(name: str) -> dict:
             v["nw"] = int(p[3:])
         elif p.startswith("ok=") and p[3:].isdigit():  # the o projection's split-K
             v["ok"] = int(p[3:])
-        elif p[:3] in ("mb=", "as=", "am=", "ls=", "lm=", "lt=") and p[3:].isdigit():  # the attention's merge block / split count
+        elif p[:3] in ("mb=", "as=", "am=", "ls=", "lm=", "lt=") and p[3:].isdigit():  # attention splits, merges
             v[p[:2]] = int(p[3:])
         elif p.split(".")[0] in ("g", "gn") and "=" in p and p.split(".")[-1].split("=")[0] in GEMV_FIELDS:
             key = "gemv_tiles" if p.startswith("g.") else "gemv_new"  # e.g. g.rows=1, gn.rows=1
@@ -95,8 +95,8 @@ def parse_variant(name: str) -> dict:
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, am=N, ls=N, lm=N, lt=0, ok=N, F=N, g.F=N, "
-                             "gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, nw=N, mb=N, as=N, am=N, ls=N, lm=N, "
+                             "lt=0, ok=N, F=N, g.F=N, gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
     return v
 
 

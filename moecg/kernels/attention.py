@@ -1,6 +1,6 @@
 """Triton kernels of the fused decode step's attention: one query token per row against its KV cache, the context
-split over programs and merged inside the kernel (or, past MERGE_INLINE_MAX splits, by a merge kernel after it). Same signature as `moecg.kernels.ref.attn_decode`, plus the split
-choices a benchmark may pass.
+split over programs and merged inside the kernel (or, past MERGE_INLINE_MAX splits, by a merge kernel after it).
+Same signature as `moecg.kernels.ref.attn_decode`, plus the split choices a benchmark may pass.
 
 Dims as in ref.py: T tokens, Hq / Hkv query / key-value heads, G = Hq / Hkv query heads per kv head (GP: padded to a
 power of two >= 16, the rows of a tensor-core tile), Dh head dim, L cache slots.
@@ -187,30 +187,42 @@ def _attn_merge_kernel(pos_ptr, sink_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, windo
     n_act = tl.cdiv(n - lo, chunk)
     if n_act > 1:
         hk = h // G
-        gi = h % G
         row0 = (t * tl.cdiv(tl.num_programs(1), G) + hk) * SPLITS
-        j = tl.arange(0, SP)
-        ms = tl.load(m_ptr + (row0 + j) * GP + gi, mask=j < n_act, other=float("-inf"), cache_modifier=".cg")  # [SP]
-        m = tl.max(ms, axis=0)
+        d = tl.arange(0, DH)
+        sink = 0.0
         if HAS_SINK:
             sink = tl.load(sink_ptr + h).to(tl.float32)
-            m = tl.maximum(m, sink)
-        sc = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
-        l_tot = tl.sum(tl.load(l_ptr + (row0 + j) * GP + gi, mask=j < n_act, other=0.0, cache_modifier=".cg") * sc,
-                       axis=0)
-        if HAS_SINK:
-            l_tot += tl.exp(sink - m)
-        d = tl.arange(0, DH)
-        acc = tl.zeros([DH], dtype=tl.float32)
-        for s0 in range(0, n_act, SB):
-            jb = s0 + tl.arange(0, SB)
-            jm = jb < n_act
-            mb = tl.load(m_ptr + (row0 + jb) * GP + gi, mask=jm, other=float("-inf"), cache_modifier=".cg")  # [SB]
-            sb = tl.where(mb == float("-inf"), 0.0, tl.exp(mb - m))
-            a = tl.load(acc_ptr + ((row0 + jb) * GP + gi)[:, None] * DH + d[None, :], mask=jm[:, None], other=0.0,
-                        cache_modifier=".cg")  # [SB, DH]
-            acc += tl.sum(a * sb[:, None], axis=0)
-        tl.store(o_ptr + t * s_ot + h * DH + d, (acc / l_tot).to(o_ptr.dtype.element_ty))
+        out = merge_splits(m_ptr, l_ptr, acc_ptr, row0, n_act, h % G, d, d < DH, sink, GP, DH, SP, SB, HAS_SINK)
+        tl.store(o_ptr + t * s_ot + h * DH + d, out.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
+def merge_splits(m_ptr, l_ptr, acc_ptr, row0, n_act, r, c, cm, sink, RS: tl.constexpr, AS: tl.constexpr,
+                 SP: tl.constexpr, SB: tl.constexpr, HAS_SINK: tl.constexpr):
+    """One head's merged output [c] from the partials of its n_act splits: split j's max and sum at
+    (row0 + j) * RS + r, its values at that row times AS plus c (cm: the real columns). The [SP] maxes and sums in one
+    load, the values SB splits a load, the splits of a load summed at once (the decode attention's and MLA's merge
+    kernels, MERGE 2). HAS_SINK: one more logit (sink) with no value, in the max and the sum."""
+    j = tl.arange(0, SP)
+    ms = tl.load(m_ptr + (row0 + j) * RS + r, mask=j < n_act, other=float("-inf"), cache_modifier=".cg")  # [SP]
+    m = tl.max(ms, axis=0)
+    if HAS_SINK:
+        m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    sc = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
+    l_tot = tl.sum(tl.load(l_ptr + (row0 + j) * RS + r, mask=j < n_act, other=0.0, cache_modifier=".cg") * sc, axis=0)
+    if HAS_SINK:
+        l_tot += tl.exp(sink - m)
+    acc = tl.zeros(c.shape, dtype=tl.float32)
+    for s0 in range(0, n_act, SB):
+        jb = s0 + tl.arange(0, SB)
+        jm = jb < n_act
+        mb = tl.load(m_ptr + (row0 + jb) * RS + r, mask=jm, other=float("-inf"), cache_modifier=".cg")  # [SB]
+        sb = tl.where(mb == float("-inf"), 0.0, tl.exp(mb - m))
+        a = tl.load(acc_ptr + ((row0 + jb) * RS + r)[:, None] * AS + c[None, :], mask=jm[:, None] & cm[None, :],
+                    other=0.0, cache_modifier=".cg")  # [SB, C]
+        acc += tl.sum(a * sb[:, None], axis=0)
+    return acc / tl.where(l_tot > 0, l_tot, 1.0)
 
 
 MERGE_TILE = 4096  # partial values per load of _attn_merge_kernel (SB splits x DH, fp32)
@@ -291,8 +303,7 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, HAS_SINK=sinks is not None, EAGER=eager,
         TWO_PASS=two_pass, SUB_ROUND=two_pass and sinks.dtype == q.dtype,
-        SB=merge_block or attn_merge_block(GP, Dh), MERGE=merge if splits > 1 else 1, num_warps=4,
-        **pdl_args(q.device))
+        SB=merge_block or attn_merge_block(GP, Dh), MERGE=merge, num_warps=4, **pdl_args(q.device))
     if splits > 1 and merge == 2:
         SP = p2(splits)
         launch(_attn_merge_kernel, (T, Hq), pos, sk, o, m, l_, acc, T, window, chunk, pos_stride(pos, T), o.stride(0),

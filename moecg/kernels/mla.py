@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
-from moecg.kernels.attention import short_splits
+from moecg.kernels.attention import merge_splits, short_splits
 from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, pos_stride, split_sems
 
 _LAYOUT = {"halves": 0, "pairs_to_halves": 1, "pairs": 2}
@@ -211,27 +211,10 @@ def _mla_merge_kernel(pos_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, chunk, s_pos, s_
     h = tl.program_id(1)
     n_act = tl.cdiv(tl.load(pos_ptr + t * s_pos) + 1, chunk)
     if n_act > 1:
-        hi = h % HB
         row0 = (t * tl.cdiv(H, HB) + h // HB) * SPLITS
-        j = tl.arange(0, SP)
-        ms = tl.load(m_ptr + (row0 + j) * HP + hi, mask=j < n_act, other=float("-inf"), cache_modifier=".cg")  # [SP]
-        m = tl.max(ms, axis=0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        sc = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
-        l_tot = tl.sum(tl.load(l_ptr + (row0 + j) * HP + hi, mask=j < n_act, other=0.0, cache_modifier=".cg") * sc,
-                       axis=0)
         c = tl.program_id(2) * MC + tl.arange(0, MC)
         cm = c < C
-        acc = tl.zeros([MC], dtype=tl.float32)
-        for s0 in range(0, n_act, SB):
-            jb = s0 + tl.arange(0, SB)
-            jm = jb < n_act
-            mb = tl.load(m_ptr + (row0 + jb) * HP + hi, mask=jm, other=float("-inf"), cache_modifier=".cg")  # [SB]
-            sb = tl.where(mb == float("-inf"), 0.0, tl.exp(mb - m))
-            a = tl.load(acc_ptr + ((row0 + jb) * HP + hi)[:, None] * CP + c[None, :], mask=jm[:, None] & cm[None, :],
-                        other=0.0, cache_modifier=".cg")  # [SB, MC]
-            acc += tl.sum(a * sb[:, None], axis=0)
-        out = acc / tl.where(l_tot > 0, l_tot, 1.0)
+        out = merge_splits(m_ptr, l_ptr, acc_ptr, row0, n_act, h % HB, c, cm, 0.0, HP, CP, SP, SB, False)
         tl.store(o_ptr + t * s_ot + h * s_oh + c, out.to(o_ptr.dtype.element_ty), mask=cm)
 
 
@@ -271,7 +254,7 @@ def mla_attn_decode(q_lat, q_pe, latents, rope_keys, pos, scaling: float, splits
     splits = triton.cdiv(L, chunk)
     if merge not in (None, 1, 2):
         raise ValueError(f"mla_attn_decode merge={merge!r}: 1 (in the kernel) or 2 (the merge kernel)")
-    merge = (merge or (1 if splits <= MERGE_INLINE_MAX else 2)) if splits > 1 else 1
+    merge = merge or (1 if splits <= MERGE_INLINE_MAX else 2)
     CP = p2(C)
     o = torch.empty(T, H, C, dtype=q_lat.dtype, device=q_lat.device)
     if splits > 1:
