@@ -23,6 +23,7 @@ from bench_attn_splits import time_call  # same directory: one call per CUDA-eve
 from bench_kernels import graph_time_us  # same directory: calls back to back in one CUDA graph, median replay
 from profile_step import kernel_table  # same directory: per-kernel device time (torch profiler)
 
+from moecg.floor import measure_copy_gbps
 from moecg.kernels import ref
 from moecg.kernels import triton_ops as tri
 from moecg.kernels.mla import mla_splits
@@ -34,17 +35,6 @@ C, R = 512, 64
 TILES = {"16x32w8s3": MlaTiles(16, 32, 8, 3), "16x64w8s2": MlaTiles(16, 64, 8, 2), "16x32w4s3": MlaTiles(16, 32, 4, 3),
          "32x32w8s2": MlaTiles(32, 32, 8, 2), "64x32w8s2": MlaTiles(64, 32, 8, 2), "64x16w8s2": MlaTiles(64, 16, 8, 2),
          "64x32w4s2": MlaTiles(64, 32, 4, 2)}
-
-
-def copy_gbps(iters: int) -> float:
-    """Read + write GB/s of a 4 GiB device copy (the bytes moved both ways over the time)."""
-    x = torch.empty(2 ** 31, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    ms = time_call(lambda: y.copy_(x), iters)
-    gbps = 2 * x.numel() * x.element_size() / 1e9 / (ms / 1e3)
-    del x, y
-    torch.cuda.empty_cache()
-    return gbps
 
 
 def main(argv=None):
@@ -66,7 +56,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         ap.error("needs CUDA")
     dev = torch.device("cuda")
-    copy = copy_gbps(args.replays)
+    copy = measure_copy_gbps(torch.device("cuda"), iters=args.replays)
     print(f"copy {copy:.0f} GB/s", flush=True)
     rows = []
     for name in args.shapes:

@@ -54,7 +54,7 @@ import torch
 from moecg.capture import Capture
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
-from moecg.floor import step_floor_ms
+from moecg.floor import bench_bandwidth_gbps, step_floor_ms
 from moecg.kernels import gemv, tiles as tiles_mod, triton_ops
 from moecg.models import build_model
 from moecg.models.formats import FORMATS
@@ -207,13 +207,15 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", nargs="*", default=[], help="variants to profile per kernel")
     ap.add_argument("--weights", default="full", choices=FORMATS, help="the weight format (model.weights)")
-    ap.add_argument("--bandwidth-gbps", type=float, default=4300)
+    ap.add_argument("--bandwidth-gbps", type=float, default=None,
+                    help="HBM GB/s for the floor (default: moecg.floor's device table, else a copy measured here)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     variants = {name: parse_variant(name) for name in args.variants}
     built = build_model(args.preset, num_layers=args.num_layers, device="cuda", weights=args.weights)
     model = built.model
+    bw, bw_source = bench_bandwidth_gbps(torch.device("cuda"), args.bandwidth_gbps)
     results, tables = [], []
     for bs in args.batch:
         prompts = torch.randint(0, model.config.vocab_size, (bs, args.prompt_len),
@@ -223,7 +225,7 @@ def main(argv=None):
             set_variant(v)
             try:
                 ms, logits, floor, table = time_variant(v, model, built.adapter, bs, prompts, args.cache_len,
-                                                        args.replays, args.repeats, args.bandwidth_gbps,
+                                                        args.replays, args.repeats, bw,
                                                         name in args.profile, args.prefill_chunk)
             except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
                 print(f"{name} bs {bs} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
@@ -233,6 +235,7 @@ def main(argv=None):
             diff = float((logits - ref_logits).abs().max())
             same = bool(torch.equal(logits, ref_logits))
             row = {"batch_size": bs, "variant": name, "ms": ms, "floor_ms": floor, "x_floor": ms / floor,
+                   "bandwidth_gbps": bw, "bandwidth_source": bw_source,
                    "same_bits_as_first": same, "max_logit_diff": diff, "max_abs_logit": float(ref_logits.abs().max()),
                    **{k: v[k] for k in v if k not in ("tiles", "gemv_tiles", "gemv_new")},
                    "tiles": v.get("tiles", {}), "gemv_tiles": v.get("gemv_tiles", {}), "gemv_new": v.get("gemv_new", {})}
@@ -245,7 +248,7 @@ def main(argv=None):
     head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, weights {built.weights}, "
             f"{env_fields()['device_name']}, "
             f"prompt {args.prompt_len}, cache {args.cache_len}; captured full+fused step, ms (CUDA events, "
-            f"{args.replays} replays x median of {args.repeats})")
+            f"{args.replays} replays x median of {args.repeats}); floor at {bw:.0f} GB/s ({bw_source})")
     lines = [head, "", "| bs | variant | ms | x floor | floor ms | same bits as first | max logit diff | first's "
              "max abs logit |", "|---|---|---|---|---|---|---|---|"]
     for r in results:

@@ -19,7 +19,7 @@ import torch
 from moecg.capture import Capture, bucket_for
 from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.engine import DecodeEngine
-from moecg.floor import step_floor_ms
+from moecg.floor import bench_bandwidth_gbps, step_floor_ms
 from moecg.report import env_fields, percentile, write_report
 from moecg.models import build_model
 
@@ -54,7 +54,8 @@ def main(argv=None):
     ap.add_argument("--skip", type=int, default=2)
     ap.add_argument("--only", nargs="*", default=None, help="labels to run (default: all)")
     ap.add_argument("--buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    ap.add_argument("--bandwidth-gbps", type=float, default=4300)
+    ap.add_argument("--bandwidth-gbps", type=float, default=None,
+                    help="HBM GB/s for the floor (default: moecg.floor's device table, else a copy measured here)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
@@ -62,6 +63,8 @@ def main(argv=None):
 
     built = build_model(args.preset, num_layers=args.num_layers, device=args.device)
     model = built.model
+    dev = next(model.parameters()).device
+    bw, bw_source = bench_bandwidth_gbps(dev, args.bandwidth_gbps)
     cases = [c for c in DEFAULT if args.only is None or c[0] in args.only]
     max_rows = max(max(bucket_for(b, tuple(args.buckets)) or b, b) for b in args.batch)
     cache_len = args.prompt_len + args.new_tokens
@@ -91,7 +94,7 @@ def main(argv=None):
             state.reset()
             steps, res = time_generate(engine, prompts, args.new_tokens, args.repeats, args.skip)
             snap = state.snapshot()
-            floor_ms = step_floor_ms(engine, built.adapter, prompts, args.bandwidth_gbps,
+            floor_ms = step_floor_ms(engine, built.adapter, prompts, bw,
                                      args.prompt_len + args.new_tokens // 2, dispatch == "capacity")
             p50 = statistics.median(steps)
             stats = cap.stats()
@@ -101,7 +104,7 @@ def main(argv=None):
                 "capture_s": stats["capture_s"], "apply_s": apply_s, "graphs": stats["graphs"],
                 "graph_mem_mib": stats["graph_mem_mib"], "captured": stats["captured"],
                 "drop_rate": snap["drop_rate"], "token_agreement_vs_eager": (res.tokens == ref.tokens).float().mean().item(),
-                "floor_ms": floor_ms, "floor_ratio": p50 / floor_ms,
+                "floor_ms": floor_ms, "floor_ratio": p50 / floor_ms if floor_ms else None, "bandwidth_gbps": bw,
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -111,8 +114,13 @@ def main(argv=None):
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     eager = {(r["batch_size"]): r["ms_per_token_p50"] for r in rows if r["label"] == "eager"}
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
     lines = [f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, {env_fields()['device_name']}, "
-             f"prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.repeats} repeats, buckets {args.buckets}",
+             f"prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.repeats} repeats, buckets {args.buckets}; "
+             + (f"floor at {bw:.0f} GB/s ({bw_source})" if bw else "no floor (bandwidth unknown)"),
              "",
              "| strategy | dispatch | bs | ms/step p50 | p90 | vs eager | capture s (all buckets) | graph MiB | "
              "floor ms | x floor | drop rate | token agreement |",
@@ -121,7 +129,7 @@ def main(argv=None):
         sp = eager.get(r["batch_size"])
         lines.append(f"| {r['label']} | {r['dispatch']} | {r['batch_size']} | {r['ms_per_token_p50']:.2f} | "
                      f"{r['ms_per_token_p90']:.2f} | {sp / r['ms_per_token_p50']:.2f}x | {r['capture_s']:.2f} | "
-                     f"{r['graph_mem_mib']:.0f} | {r['floor_ms']:.2f} | {r['floor_ratio']:.1f} | "
+                     f"{r['graph_mem_mib']:.0f} | {fmt(r['floor_ms'], '.2f')} | {fmt(r['floor_ratio'], '.1f')} | "
                      f"{r['drop_rate']:.3f} | {r['token_agreement_vs_eager']:.3f} |" if sp else "")
     write_report("\n".join(lines), rows, args, args.out, args.json)
     return 0

@@ -44,7 +44,7 @@ from moecg.capture import Capture, validate_buckets
 from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.engine import DecodeEngine, check_prefill_chunk
 from moecg.fidelity import agreement, top2_margins
-from moecg.floor import step_floor_ms
+from moecg.floor import bench_bandwidth_gbps, step_floor_ms
 from moecg.report import env_fields, write_report
 from moecg.models import build_model
 from moecg.models.formats import FORMATS
@@ -156,7 +156,7 @@ def moecg_ms(model, adapter, prompts, new_tokens, repeats, cache_len, strategy, 
         floor = step_floor_ms(engine, adapter, prompts, bandwidth_gbps, context, make_dispatcher(dispatch).reads_all_experts)
         cap.unwrap()
         return {"ms": statistics.median(steps), "wall": statistics.median(walls), "capture_s": capture_s,
-                "captured": cap.stats()["captured"], "floor": floor, "agree": agree, **drops}
+                "captured": cap.stats()["captured"], "floor": float("nan") if floor is None else floor, "agree": agree, **drops}
     finally:
         detach(model)
         torch._dynamo.reset()
@@ -201,7 +201,8 @@ def main(argv=None):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--weights", default="full", choices=FORMATS,
                     help="the weight format (model.weights); a quantized model runs moecg's rows only")
-    ap.add_argument("--bandwidth-gbps", type=float, default=4300)
+    ap.add_argument("--bandwidth-gbps", type=float, default=None,
+                    help="HBM GB/s for the floor (default: moecg.floor's device table, else a copy measured here)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -223,11 +224,12 @@ def main(argv=None):
                  "--skip-compile --skip-hf-generate (moecg's rows, against HF's modules on the same quantized weights)")
     built = build_model(args.preset, num_layers=args.num_layers, device=args.device, weights=args.weights)
     model, dev = built.model, built.device
+    bw, bw_source = bench_bandwidth_gbps(torch.device(dev), args.bandwidth_gbps)
     results = []
     for bs in args.batch:
         prompts = torch.randint(0, model.config.vocab_size, (bs, args.prompt_len),
                                 generator=torch.Generator().manual_seed(bs)).to(dev)
-        row = {"batch_size": bs, "weights": built.weights}
+        row = {"batch_size": bs, "weights": built.weights, "bandwidth_gbps": bw}
         if built.weights == "full":
             model.set_experts_implementation("grouped_mm")
         if not args.skip_hf_generate:
@@ -250,7 +252,7 @@ def main(argv=None):
             mode = args.moecg_compile_mode if extra == "compile" else None
             try:
                 m = moecg_ms(model, built.adapter, prompts.cpu(), args.new_tokens, args.repeats, args.cache_len,
-                             name, dispatch, kw, buckets, mode, args.bandwidth_gbps, context,
+                             name, dispatch, kw, buckets, mode, bw, context,
                              kernels="fused" if extra == "fused" else "hf", ref_tokens=ref_tokens,
                              prefill_chunk=args.prefill_chunk)
             except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
@@ -273,7 +275,8 @@ def main(argv=None):
             f"prompt {args.prompt_len}, {args.new_tokens} new tokens, StaticCache {args.cache_len}, "
             f"compile mode {args.compile_mode}, buckets {list(buckets)}, prefill "
             + (f"chunk {args.prefill_chunk} (moecg engines)" if args.prefill_chunk else "in one forward")
-            + "; ms per decode step (ratio to compile)")
+            + "; ms per decode step (ratio to compile); "
+            + (f"floor at {bw:.0f} GB/s ({bw_source})" if bw else "no floor (bandwidth unknown)"))
     cols = (["hf_generate"] if not args.skip_hf_generate else []) + ["compile"] + [f"moecg:{s}" for s in args.strategies]
     nan = float("nan")
     lines = [head, "", "| bs | " + " | ".join(cols) + " | compile s | floor ms | capacity floor ms |",

@@ -134,7 +134,7 @@ def measure(args) -> dict:
     pre = stats["precompiled"] or {}
     tot["precompile_s"] = pre.get("seconds", 0.0)
     return {"capture_all_s": setup_s + apply_s, "setup_s": setup_s, "apply_s": apply_s, **tot,
-            "precompile": not args.no_precompile, "recapture_s": recapture_s,
+            "precompile": not args.no_precompile, "recapture_s": recapture_s, "warmup": stats["warmup"],
             "specialisations": pre.get("specialisations", 0),
             "other_s": apply_s - tot["precompile_s"] - tot["first_warmup_s"] - tot["steady_warmup_s"]
             - tot["graph_capture_s"],
@@ -198,7 +198,7 @@ def report(rows: list[dict], args) -> str:
             f"{env['torch_version']}, transformers {env['transformers_version']}, triton {env['triton_version']}, commit "
             f"{env['git_sha']}: strategy={args.strategy} capture.kernels={args.kernels} dispatch={args.dispatch} "
             f"(kernel backend {r0['kernel_backend']}), {r0['capture_backend']} graphs, buckets {list(args.buckets)}, "
-            f"cache {args.cache_len}, capture.warmup {args.warmup}, precompile {not args.no_precompile}; seconds, each run a "
+            f"cache {args.cache_len}, capture.warmup {args.warmup} ({r0.get('warmup')} a bucket), precompile {not args.no_precompile}; seconds, each run a "
             "fresh process")
     lines = [head, "", "| run | capture all buckets | setup | precompile | first warmups | of which jit (est.) | warmups "
              "| graphs | other | specialisations precompiled | new cache files |", "|" + "---|" * 11]
@@ -232,14 +232,15 @@ def main(argv=None):
     ap.add_argument("--dispatch", default="fused")
     ap.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_BUCKETS))
     ap.add_argument("--cache-len", type=int, default=256)
-    ap.add_argument("--warmup", type=int, default=3, help="capture.warmup")
+    ap.add_argument("--warmup", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="capture.warmup: auto (1 after the fused step's dry pass, else 3) or a count")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--backend", default="auto", help="auto (cuda on a GPU, emulate on CPU) | cuda | emulate")
     ap.add_argument("--cache-dir", default=None, help="where the cold run's caches go (default: a new temporary "
                                                       "directory, removed after); must not exist or be empty")
     ap.add_argument("--target-cold", type=float, default=3.0)
-    ap.add_argument("--target-warm", type=float, default=0.5)
+    ap.add_argument("--target-warm", type=float, default=1.0)
     ap.add_argument("--no-precompile", action="store_true", help="Capture.precompile = False: each kernel compiles "
                                                                    "inside the first warmup that launches it")
     ap.add_argument("--recapture", action="store_true", help="after each run's capture, capture the same engine again "

@@ -64,6 +64,37 @@ def device_bandwidth_gbps(device: torch.device) -> tuple[float | None, str]:
     return _by_name(device, DEVICE_BANDWIDTH_GBPS)
 
 
+def measure_copy_gbps(device: torch.device, gib: int = 4, iters: int = 20) -> float:
+    """The table's measurement: a device-to-device copy of a `gib` GiB tensor, read + write bytes over its time
+    (CUDA events after a warmup copy, median of `iters`)."""
+    x = torch.empty(gib * 2**29, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    ms = sorted(times)[len(times) // 2]
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * gib * 2**30 / 1e9 / (ms / 1e3)
+
+
+def bench_bandwidth_gbps(device: torch.device, given: float | None = None) -> tuple[float | None, str]:
+    """A benchmark's floor bandwidth: `given` (a flag), else the device table's, else on a GPU measured here now
+    (measure_copy_gbps); with where it came from, for the report's header. (None, 'unknown') on a CPU."""
+    if given is not None:
+        return float(given), "given"
+    bw, source = device_bandwidth_gbps(device)
+    if bw is not None or device.type != "cuda":
+        return bw, source
+    return measure_copy_gbps(device), "measured copy"
+
+
 def kv_bytes_per_token(model, adapter) -> int:
     """Bytes one token adds to the KV cache over all layers: each layer caches FamilyAdapter.kv_shapes (MLA: its latent,
     kv_lora_rank + qk_rope_head_dim values; standard: K and V of every KV head) in the model's dtype. moecg's caches are

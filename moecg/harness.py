@@ -175,6 +175,7 @@ def _identity(plan: RunPlan, built, state, stats: dict, group: EPGroup) -> dict:
 def _capture_fields(plan: RunPlan, stats: dict) -> dict:
     return {"captured": stats["captured"], "capture_backend": stats["capture_backend"], "compiled": stats["compiled"],
             "capture_s": stats["capture_s"], "graph_mem_mib": stats["graph_mem_mib"], "graphs": stats["graphs"],
+            "warmup": stats["warmup"],
             "capture_buckets": {str(k): v for k, v in stats["buckets"].items()}, **plan.capture.record()}
 
 

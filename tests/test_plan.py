@@ -29,6 +29,23 @@ def test_default_plan_resolves():
         plan.batch_size = 8  # frozen
 
 
+def test_bench_bandwidth_comes_from_the_device(monkeypatch):
+    """A benchmark's floor bandwidth: the flag, else the device table by name, else a copy measured on that GPU;
+    never another device's number (a CPU has none)."""
+    import torch
+
+    from moecg import floor
+    assert floor.bench_bandwidth_gbps(torch.device("cpu"), 1234) == (1234.0, "given")
+    assert floor.bench_bandwidth_gbps(torch.device("cpu")) == (None, "unknown")
+    measured = []
+    monkeypatch.setattr(floor, "measure_copy_gbps", lambda dev: measured.append(dev) or 2000.0)
+    for name, bw in floor.DEVICE_BANDWIDTH_GBPS.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None, n=name: n)
+        assert floor.bench_bandwidth_gbps(torch.device("cuda")) == (bw, "device table")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA B200")
+    assert floor.bench_bandwidth_gbps(torch.device("cuda")) == (2000.0, "measured copy") and len(measured) == 1
+
+
 def test_emulated_capture_pads_to_the_bucket():
     plan = resolve_plan(_cfg("strategy=full", "capture.backend=emulate", "batch_size=5"))
     assert plan.captures and plan.bucket == 8 and plan.max_rows == 8

@@ -11,7 +11,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from moecg.capture import Capture  # noqa: E402
+from moecg.capture import Capture, StrategyError  # noqa: E402
 from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import launch, triton_ops  # noqa: E402
@@ -189,3 +189,31 @@ def test_triton_ops_expose_the_reference_ops():
         want = list(inspect.signature(getattr(ref, name)).parameters)
         got = list(inspect.signature(getattr(triton_ops, name)).parameters)
         assert got[:len(want)] == want, (name, want, got)
+
+
+def test_capture_warmup_auto_is_one_after_the_dry_pass(monkeypatch):
+    """capture.warmup=auto: 3 eager runs before each capture (HF's modules, a fused step not precompiled), 1 once the
+    precompile's dry pass has run the step; an explicit count is kept; anything else is refused before any work."""
+    model = build_model("qwen3_moe_tiny", dtype="bf16", device="cpu", seed=0).model
+    attach(model, make_dispatcher("fused"), max_rows=4)
+    try:
+        eng = DecodeEngine(model, 32, 4)
+        for kw, want in (({}, 3), ({"kernels": "fused"}, 3), ({"kernels": "fused", "warmup": 2}, 2)):
+            cap = Capture(eng, "full", buckets=(1, 2), backend="emulate", **kw).apply()
+            assert cap.stats()["warmup"] == want, kw
+            cap.unwrap()
+        for warmup, want in (("auto", 1), (3, 3)):  # a step taken for the Triton one (its ops stay the reference's,
+            # which run on CPU): the dry pass runs before the warmups
+            cap = Capture(eng, "full", buckets=(1, 2), backend="emulate", kernels="fused", warmup=warmup)
+            cap.fast.backend = "triton"
+            runs = []
+            real = cap.runner.backend.warmup
+            monkeypatch.setattr(cap.runner.backend, "warmup", lambda fn, args, n: (runs.append(n), real(fn, args, n)))
+            cap.apply()
+            assert cap.precompiled is not None and cap.stats()["warmup"] == want and set(runs) == {want}
+            cap.unwrap()
+        for bad in (0, "3", True, 1.5):
+            with pytest.raises(StrategyError, match="capture.warmup"):
+                Capture(eng, "full", buckets=(1,), backend="emulate", warmup=bad)
+    finally:
+        detach(model)

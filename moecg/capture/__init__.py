@@ -33,6 +33,11 @@ __all__ = ["Capture", "CaptureError", "STRATEGIES", "StrategyError", "StrategySp
 # that launches it
 _PRECOMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
+# capture.warmup=auto: eager runs before each capture. HF's modules (and a fused step not precompiled) get 3, for
+# their lazy first-call work; the precompiled fused step gets 1, its dry pass having run every bucket's torch ops
+# and compiled and loaded every kernel already (the later runs would repeat the first).
+WARMUP_HF, WARMUP_DRY = 3, 1
+
 _FIXES = (
     "Ways to fix it:\n"
     "  1. use a graph-safe dispatcher: dispatch=dropless or dispatch=capacity\n"
@@ -55,10 +60,11 @@ class Capture:
     whose knobs these are (FastDecode says what each does); with kernels=hf they must keep their defaults.
     precompile: kernels=fused on Triton: compile the step's kernels for every bucket on a thread pool before the first
     warmup (_precompile); False: each compiles inside the first warmup that launches it (benchmarks compare the two).
+    warmup: eager runs before each capture, or "auto" (WARMUP_DRY after the precompile's dry pass, else WARMUP_HF).
     """
 
     def __init__(self, engine, strategy: str = "eager", *, layers: str | None = None, buckets=DEFAULT_BUCKETS,
-                 backend: str = "auto", warmup: int = 3, compile: bool = False,
+                 backend: str = "auto", warmup: int | str = "auto", compile: bool = False,
                  compile_mode: str = "default", kernels: str = "hf", kernel_backend: str = "auto",
                  pdl: int | None = None, overlap_shared: bool = True, fuse_router: bool = True,
                  precompile: bool = True):
@@ -79,7 +85,11 @@ class Capture:
         if self.backend is None and self.spec.scope != "eager":
             warnings.warn(f"CUDA graphs are unavailable on {engine.device.type}: strategy={strategy} runs eagerly "
                           "with the same dispatch (captured: false); drop counts are still real", stacklevel=2)
-        self.runner = GraphRunner(self.backend, warmup) if self.backend is not None else None
+        if warmup != "auto" and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1):
+            raise StrategyError(f"capture.warmup={warmup!r}: auto or an int >= 1 (eager runs before each capture)")
+        self.warmup = warmup
+        self.runner = GraphRunner(self.backend, WARMUP_HF if warmup == "auto" else warmup) \
+            if self.backend is not None else None
         # Inductor-compiled pieces (fused kernels, no cudagraphs of its own) that moecg's graphs then capture;
         # kernels=fused: decode steps run moecg.fast.FastDecode (fused kernels) instead of HF's modules
         validate_capture(self.spec, kernels, bool(compile), compile_mode)
@@ -166,6 +176,8 @@ class Capture:
         order = sorted((b for b in self.buckets if b <= eng.max_rows), reverse=True)  # largest first: one pool
         if self.precompile and self.fast is not None and self.fast.backend == "triton" and order:
             self._precompile(order)
+        if self.warmup == "auto" and self.runner is not None:
+            self.runner.warmup = WARMUP_DRY if self.precompiled is not None else WARMUP_HF
         for b in order:
             try:
                 with eng.scratch(), torch.no_grad():
@@ -288,6 +300,7 @@ class Capture:
             "kernels": self.kernels,
             "kernel_backend": self.fast.backend if self.fast is not None else None,
             "precompiled": self.precompiled,
+            "warmup": self.runner.warmup if self.runner is not None else None,
             **self.describe(),
         }
 

@@ -29,7 +29,7 @@ class CaptureConfig:
 
     buckets: Any = field(default_factory=lambda: list(DEFAULT_BUCKETS))  # ascending batch sizes a graph is captured for
     backend: Any = "auto"  # auto (cuda on a GPU, none on CPU) | cuda | emulate (CPU stand-in for tests) | none
-    warmup: Any = 3  # int >= 1: eager runs before each capture
+    warmup: Any = "auto"  # auto (1 after the fused step's dry pass, else 3) | int 1-3: eager runs before each capture
     compile: Any = False  # experimental: Inductor-compile the captured pieces (fused kernels) before capture
     compile_mode: Any = "default"  # default | max-autotune-no-cudagraphs (never reduce-overhead: moecg owns the graphs)
     # hf: decode runs HF's modules | fused: moecg.fast's fused decode step (strategy full/capacity/eager)
@@ -52,7 +52,10 @@ class CaptureConfig:
         backend = as_choice(self.backend, "capture.backend", BACKENDS)
         if backend == "cuda" and device.type != "cuda":
             raise PlanError("capture.backend=cuda needs a CUDA device: use capture.backend=auto (or emulate on CPU)")
-        warmup = as_int(self.warmup, "capture.warmup", 1, 3)
+        try:
+            warmup = "auto" if self.warmup == "auto" else as_int(self.warmup, "capture.warmup", 1, 3)
+        except PlanError as e:
+            raise PlanError(f"{e}, or capture.warmup=auto") from None
         compile_ = as_bool(self.compile, "capture.compile")
         compile_mode = as_choice(self.compile_mode, "capture.compile_mode", COMPILE_MODES)
         if not compile_ and compile_mode != "default":
@@ -85,7 +88,7 @@ class CaptureConfig:
 class CapturePlan:
     buckets: tuple[int, ...]
     backend: str  # as configured; RunPlan.captures says whether graphs will be made
-    warmup: int
+    warmup: int | str  # "auto": Capture decides (WARMUP_DRY after the dry pass, else WARMUP_HF)
     compile: bool
     compile_mode: str
     kernels: str  # hf | fused

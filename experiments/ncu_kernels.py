@@ -1,0 +1,67 @@
+"""One call of each batch-1 weight-streaming kernel of a Qwen3-30B-A3B layer, in bf16 and block-FP8, for Nsight
+Compute (hardware counters: achieved DRAM bandwidth, issue-slot use, warp stall reasons, occupancy).
+
+  ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \
+      --section Occupancy --section LaunchStats --section SchedulerStats python3 experiments/ncu_kernels.py
+
+Every op runs twice first (compilation, autotuning-free warm calls), then once between cudaProfilerStart/Stop, so
+ncu sees exactly one launch of each kernel (ncu flushes the caches before each pass: the weights come from HBM).
+--ops picks the ops (names printed in launch order); the tiles are the tables' own (moecg.kernels.tiles).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from moecg.kernels import triton_ops as tri
+from moecg.models.formats import quantize_stacked
+
+BF = torch.bfloat16
+
+
+def ops(D=2048, I=768, E=128, K=8, qkv=5120, o_in=4096):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rnd = lambda *s: (torch.randn(*s, device="cuda", generator=g) * 0.02).to(BF)  # noqa: E731
+    x = rnd(1, D) * 50
+    xo = rnd(1, o_in) * 50
+    wq, wo = rnd(qkv, D), rnd(D, o_in)
+    gu, dn = rnd(E, 2 * I, D), rnd(E, D, I)
+    idx = torch.randperm(E, device="cuda", generator=g)[:K].int()[None]
+    w = torch.rand(1, K, device="cuda", generator=g).to(BF)
+    q = {n: quantize_stacked(t.float(), p, BF) for n, t, p in (("wq", wq, 1), ("wo", wo, 1), ("gu", gu, 2),
+                                                               ("dn", dn, 1))}
+    return {
+        "qkv_bf16": lambda: tri.linear(x, wq),
+        "qkv_fp8": lambda: tri.linear(x, q["wq"]),
+        "o_bf16": lambda: tri.linear(xo, wo),
+        "o_fp8": lambda: tri.linear(xo, q["wo"]),
+        "moe_bf16": lambda: tri.moe_experts(x, idx, w, gu, dn),
+        "moe_fp8": lambda: tri.moe_experts(x, idx, w, q["gu"], q["dn"]),
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", nargs="+", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("ncu_kernels.py launches CUDA kernels: run it on a GPU")
+    table = ops()
+    names = args.ops or list(table)
+    for n in names:
+        table[n]()
+        table[n]()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for n in names:
+        print("op", n, flush=True)
+        table[n]()
+        torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
