@@ -7,6 +7,10 @@ Compute (hardware counters: achieved DRAM bandwidth, issue-slot use, warp stall 
 Every op runs twice first (compilation, autotuning-free warm calls), then once between cudaProfilerStart/Stop, so
 ncu sees exactly one launch of each kernel (ncu flushes the caches before each pass: the weights come from HBM).
 --ops picks the ops (names printed in launch order); the tiles are the tables' own (moecg.kernels.tiles).
+
+--time instead times the GEMVs (no ncu): us per call in a CUDA graph of back-to-back calls, once cycling a ring of
+weight copies larger than L2 (each call streams its weight from HBM, as in the step) and once on one copy (after the
+first call it sits in L2): how much faster a projection whose weight an L2 prefetch had brought in could run.
 """
 from __future__ import annotations
 
@@ -42,12 +46,37 @@ def ops(D=2048, I=768, E=128, K=8, qkv=5120, o_in=4096):
     }
 
 
+def time_l2(copies_mib=256):
+    from bench_kernels import graph_time_us  # same directory
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, N, K in (("qkv", 5120, 2048), ("o", 2048, 4096)):
+        x = (torch.randn(1, K, device="cuda", generator=g)).to(BF)
+        for fmt in ("bf16", "fp8"):
+            n = max(2, copies_mib * 2**20 // (N * K * (2 if fmt == "bf16" else 1)))
+            ws = [(torch.randn(N, K, device="cuda", generator=g) * 0.02).to(BF) for _ in range(n)]
+            if fmt == "fp8":
+                ws = [quantize_stacked(w.float(), 1, BF) for w in ws]
+            nbytes = N * K * (2 if fmt == "bf16" else 1)
+            for where, ring in (("hbm", ws), ("l2", ws[:1])):
+                it = iter(range(10**9))
+                us = graph_time_us(lambda r=ring: tri.linear(x, r[next(it) % len(r)]), reps=len(ws), replays=15)
+                rows.append((name, fmt, where, us, nbytes / us / 1e3))
+                print(f"{name} {fmt} {where}: {us:.2f} us ({nbytes / us / 1e3:.0f} GB/s)", flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=None)
+    ap.add_argument("--time", action="store_true", help="time the GEMVs from HBM and from L2 instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("ncu_kernels.py launches CUDA kernels: run it on a GPU")
+    if args.time:
+        time_l2()
+        return 0
     table = ops()
     names = args.ops or list(table)
     for n in names:
