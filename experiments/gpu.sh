@@ -14,7 +14,7 @@
 #                        the H200 image lacks, built by make_wheelhouse.sh); WHEELS= skips the install
 # Suite knobs (defaults are the settings of the committed results): TESTS / TEST_K (pytest paths, -k; `tests`), VARIANTS
 # (`step_variants`), EPS / MODELS / BATCH / RUN_BATCH / STRATEGIES (`ep`), PROJ_MODELS / PROJ_TIMEOUT (`ep_projection`),
-# TRAIN_MODELS / MINUTES (`train_stdlib`), FORMATS (`weights`), STDLIB_MODELS (`fidelity`, `serving_stdlib`), MLA_ATTN_ARGS (`mla_attn`), SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`, `weights_whole`), LONG_SPECS (`long_context`: "preset layers bs,bs;..." ), WHOLE_MODELS / WHOLE_BATCH (`weights_whole`: preset:format ..., batch sizes).
+# TRAIN_MODELS / MINUTES (`train_stdlib`), FORMATS (`weights`), STDLIB_MODELS (`fidelity`, `serving_stdlib`), MLA_ATTN_ARGS (`mla_attn`), WARMUPS (`capture`: capture.warmup values), SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`, `weights_whole`), LONG_SPECS (`long_context`: "preset layers bs,bs;..." ), WHOLE_MODELS / WHOLE_BATCH (`weights_whole`: preset:format ..., batch sizes).
 set -u -o pipefail
 OUT=${OUT:-experiments/results}
 PASS=new  # or old: the OLD package's pass
@@ -113,13 +113,20 @@ suite_long_mla() {  # DeepSeek-V2-Lite (27 layers) at a 30k-token context: the f
       --out "$D/variants_v2_lite_bs$bs.md" --json "$D/variants_v2_lite_bs$bs.json" | grep -E "^\| [0-9]|failed|Error"
   done
 }
-suite_capture() {  # capture time of buckets 1-64, cold and warm Triton cache, at capture.warmup 1 and 3, with a re-capture
+suite_capture() {  # capture time of buckets 1-64, cold and warm Triton cache, at capture.warmup auto (the default), 1 and 3, with a re-capture
   bench capture_time
   local w
-  for w in 1 3; do
+  for w in ${WARMUPS:-auto 1 3}; do
     t "capture_time_w$w.log" python3 experiments/capture_time.py --preset qwen1_5_moe_a2_7b --warmup $w --recapture \
       --out "$D/capture_time_w$w.md" --json "$D/capture_time_w$w.json" | grep -E "^\| (cold|warm)|re-capture|target"
   done
+}
+suite_l2_prefetch() {  # the GEMVs from HBM and from L2, then the fused step with and without the L2 prefetch (pf): Qwen3-30B-A3B 48 layers in FP8 at bs 1, 12 layers bf16 at bs 1 and 8
+  bench l2_prefetch
+  t gemv_l2.log python3 experiments/ncu_kernels.py --time
+  variant qwen3_48_fp8_block qwen3_30b_a3b 48 --weights fp8_block --batch 1 --repeats 3 \
+    --variants $D_STEP $D_STEP+pf $D_STEP+warps=2 $D_STEP+warps=2+g.block_k=1024 $D_STEP+warps=2+pf
+  variant qwen3_12 qwen3_30b_a3b 12 --batch 1 8 --repeats 3 --variants $D_STEP $D_STEP+pf
 }
 suite_capture_precompile() {  # capture time with and without the precompile pass; a host-side cProfile of each run
   bench capture_time
