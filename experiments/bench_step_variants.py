@@ -12,8 +12,6 @@ Variants (names: `+`-joined switches on top of `base`):
   splitN   the down GEMM split N ways over I (MoeTiles.down_split), partials added once in order, in the kernel
   overlap  the shared expert (silu-mul + down GEMM) on a second stream beside the routed experts
   router   residual add + norm + router GEMV + top-k as one kernel where the router is its own linear
-  pf       the o projection's weights prefetched into L2 after the qkv GEMV, the next layer's qkv weights after the
-           o GEMV, on a stream of their own (FastDecode.prefetch; moecg.kernels.gemv.l2_prefetch)
   gemv     the qkv and o projections on the Triton GEMV where moecg.kernels.tiles.GEMV_RULES say (else cuBLAS);
            gemv1: the same, the GEMV not triggering its successor early (GemvTiles.pdl_trigger False)
   pdl      programmatic dependent launch for every Triton kernel of the step, each triggering its successor's
@@ -56,7 +54,6 @@ import torch
 from moecg.capture import Capture
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
-from moecg.fast import FastDecode
 from moecg.floor import bench_bandwidth_gbps, step_floor_ms
 from moecg.kernels import gemv, tiles as tiles_mod, triton_ops
 from moecg.models import build_model
@@ -64,15 +61,14 @@ from moecg.models.formats import FORMATS
 from moecg.report import env_fields, write_report
 from profile_step import kernel_table  # same directory: the per-kernel profile
 
-SWITCHES = ("slot", "overlap", "router", "gemv", "gemv1", "pf")
+SWITCHES = ("slot", "overlap", "router", "gemv", "gemv1")
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.MoeTiles) if f.name != "down_split")
 GEMV_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.GemvTiles) if f.name != "split_k")
 
 
 def parse_variant(name: str) -> dict:
     parts = [p for p in name.split("+") if p != "base"]
-    v = {"slot": False, "overlap": False, "router": False, "gemv": False, "gemv1": False, "pf": False, "pdl": 0,
-         "split": 1}
+    v = {"slot": False, "overlap": False, "router": False, "gemv": False, "gemv1": False, "pdl": 0, "split": 1}
     for p in parts:
         if p in SWITCHES:
             v[p] = True
@@ -114,7 +110,6 @@ HEAD_TILES, ROUTER_TILES, MLA_TILES = tiles_mod.head_tiles, tiles_mod.router_til
 
 def set_variant(v: dict) -> None:
     moe, tiles_of = MOE_EXPERTS, MOE_TILES
-    FastDecode.prefetch = v["pf"]
     tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
     f = v.get("gemv_tiles")
     tiles_mod.fp8_gemv_tiles = FP8_GEMV_TILES if not f else (

@@ -121,13 +121,6 @@ suite_capture() {  # capture time of buckets 1-64, cold and warm Triton cache, a
       --out "$D/capture_time_w$w.md" --json "$D/capture_time_w$w.json" | grep -E "^\| (cold|warm)|re-capture|target"
   done
 }
-suite_l2_prefetch() {  # the GEMVs from HBM and from L2, then the fused step with and without the L2 prefetch (pf): Qwen3-30B-A3B 48 layers in FP8 at bs 1, 12 layers bf16 at bs 1 and 8
-  bench l2_prefetch
-  t gemv_l2.log python3 experiments/ncu_kernels.py --time
-  variant qwen3_48_fp8_block qwen3_30b_a3b 48 --weights fp8_block --batch 1 --repeats 3 \
-    --variants $D_STEP $D_STEP+pf $D_STEP+warps=2 $D_STEP+warps=2+g.block_k=1024 $D_STEP+warps=2+pf
-  variant qwen3_12 qwen3_30b_a3b 12 --batch 1 8 --repeats 3 --variants $D_STEP $D_STEP+pf
-}
 suite_capture_precompile() {  # capture time with and without the precompile pass; a host-side cProfile of each run
   bench capture_time
   local pre tag

@@ -193,7 +193,6 @@ class FastDecode:
     """
 
     per_row_positions = True
-    prefetch = False  # measured variant: the o projection's and the next qkv's weights brought into L2 (see _step)
 
     def __init__(self, model, kernel_backend: str = "auto", *, pdl: int | None = None, overlap_shared: bool = True,
                  fuse_router: bool = True):
@@ -213,7 +212,6 @@ class FastDecode:
         self.device, self.dtype = p.device, p.dtype
         self.ops = get_ops(kernel_backend, self.device)
         self._side = None  # the shared expert's stream (overlap_shared), made once the model shows a shared expert
-        self._pf = None  # the L2 prefetches' stream (prefetch)
         self.backend = "triton" if self.ops is not ref else "torch"
         cfg = model.config
         features = ad.features(cfg)
@@ -369,18 +367,6 @@ class FastDecode:
             self._side = torch.cuda.Stream(self.device)
         return self._side
 
-    def _prefetch(self, *weights) -> None:
-        """prefetch on CUDA: the weights into L2 on a stream of their own, forked here (so they start after what ran
-        before, beside what follows); joined at the end of the step."""
-        if not self.prefetch or self.device.type != "cuda" or self.backend != "triton":
-            return
-        if self._pf is None:
-            self._pf = torch.cuda.Stream(self.device)
-        self._pf.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._pf):
-            self.ops.l2_prefetch(*weights)
-        self._pf_forked = True
-
     def _rope_tables(self, clayers):
         """cos/sin [L, R] for every slot of the cache; the cache must be linear (slot = position) in all layers."""
         length = clayers[0].keys.shape[2]
@@ -457,7 +443,6 @@ class FastDecode:
                                  out_dtype=self.dtype)
         slot = 0
         n = len(self.layers)
-        self._pf_forked = False
         for i, L in enumerate(self.layers):
             if self.on_layer is not None:  # set by Capture while capturing, so a failure names its layer
                 self.on_layer(i)
@@ -465,14 +450,11 @@ class FastDecode:
                 o = latent.attend(ops, L.mla, h, pos, cos, sin, clayers[i].keys, clayers[i].values)  # [T, H*Dv]
             else:
                 qkv = ops.linear(h, L.wqkv, L.bqkv)  # [T, (Hq+2Hkv)*Dh]
-                self._prefetch(L.wo)
                 q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
                                    L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
                 o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
                                     sinks=L.sinks, eager=self.eager_attn)  # [T, Hq*Dh]
             a = ops.linear_partials(o, L.wo, L.bo)  # [T, S, D]: S split-K partial rows, or the output (S = 1)
-            if i + 1 < n and self.layers[i + 1].mla is None:
-                self._prefetch(self.layers[i + 1].wqkv)
             if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel
                 res, h, idx, w = ops.norm_route(a, res, L.post_w, L.post_eps, L.wcat[: L.n_experts], L.top_k,
                                                 L.norm_topk, L.route_dtype, router_logit_bias(L.router), cast_last=cl)
@@ -513,8 +495,6 @@ class FastDecode:
                 main.wait_stream(side)
             slot += 1
             res, h = ops.add_rmsnorm(y, res, nw, neps, shared, gate, cast_last=cl)
-        if self._pf_forked:
-            torch.cuda.current_stream(self.device).wait_stream(self._pf)
         logits = F.linear(h, self.lm_head)  # [T, V]
         if rows_pos is None:
             torch._foreach_add_([c.cumulative_length for c in clayers], 1)

@@ -18,8 +18,9 @@ from moecg.dispatch import state_of
 # Measured copy bandwidth (GB/s), by torch.cuda.get_device_name(); add a device by measuring it the same way.
 DEVICE_BANDWIDTH_GBPS = {
     "NVIDIA H200": 4300.0,  # torch copy of a 4 GiB tensor, H200 SXM 141 GB (this project's reference machine)
-    # the same copy (measure_copy_gbps) on the H100 SXM: 3048 GB/s (experiments/results/mla_attn/, its log's first line)
-    "NVIDIA H100 80GB HBM3": 3050.0,
+    # the same copy (measure_copy_gbps) on two H100 SXM hosts: 3048 GB/s (experiments/results/mla_attn/, its log's
+    # first line) and 3007-3011 (experiments/results/capture_time/h100/copy.txt)
+    "NVIDIA H100 80GB HBM3": 3030.0,
 }
 
 

@@ -367,28 +367,6 @@ def test_capture_precompile_leaves_nothing_to_compile_and_same_bits(monkeypatch)
     assert all(torch.equal(a, c) for a, c in zip(outs[0].logits, outs[1].logits))
 
 
-@pytest.mark.parametrize("preset,weights", [("qwen3_moe_tiny", "full"), ("qwen2_moe_tiny", "fp8_block")])
-def test_l2_prefetch_changes_no_bits(preset, weights, monkeypatch):
-    """FastDecode.prefetch (the o and next qkv weights brought into L2 on a stream of their own, forked inside the
-    captured step): the replayed logits equal those of the step without it, bit for bit."""
-    from moecg.fast import FastDecode
-
-    b = build_model(preset, dtype="bf16", device="cuda", seed=5, weights=weights)
-    m = b.model
-    prompts = torch.randint(0, m.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(1))
-    outs = []
-    for pf in (False, True):
-        monkeypatch.setattr(FastDecode, "prefetch", pf)
-        attach(m, make_dispatcher("fused"), max_rows=4)
-        eng = DecodeEngine(m, 32, 4)
-        cap = Capture(eng, "full", buckets=(1, 2, 4), kernels="fused").apply()
-        outs.append(eng.generate(prompts, 6, keep_logits=True, timing=False))
-        cap.unwrap()
-        detach(m)
-    assert torch.equal(outs[0].tokens, outs[1].tokens)
-    assert all(torch.equal(a, c) for a, c in zip(outs[0].logits, outs[1].logits))
-
-
 @pytest.mark.parametrize("T", [1, 3, 8, 16])
 def test_small_batch_gemv_matches_cublas(T):
     """triton_ops.linear (the Triton GEMV) at the qkv / o shapes of the families (Qwen1.5's and GPT-OSS's qkv with

@@ -99,6 +99,38 @@ def test_precompile_dedupes_and_builds_launchers_on_threads():
     assert sorted(kw["BLOCK"] for _, _, kw in k.warmups) == [16, 16, 32]
 
 
+def test_precompile_hashes_triton_beside_the_dry_pass_and_before_any_compile(monkeypatch):
+    """Triton's hash of its own sources runs once, on a thread of its own started by the Precompiler (the dry pass
+    goes on meanwhile); every compile waits for it."""
+    import time
+
+    import triton.runtime.cache as cache
+
+    ready, calls = threading.Event(), []
+
+    def slow_key():
+        calls.append(threading.current_thread().name)
+        time.sleep(0.3)
+        ready.set()
+        return "key"
+
+    monkeypatch.setattr(cache, "triton_key", slow_key)
+
+    class Waits(_Kernel):
+        def warmup(self, *args, grid, **kwargs):
+            assert ready.is_set(), "a compile started before Triton's source hash was ready"
+            return super().warmup(*args, grid=grid, **kwargs)
+
+    t0 = time.perf_counter()
+    pre = launch.Precompiler()
+    assert time.perf_counter() - t0 < 0.2  # not waited for here: the dry pass records meanwhile
+    k = Waits(["x"])
+    pre.submit(k, (1,), (torch.zeros(2),), {})
+    pre.submit(k, (1,), (torch.zeros(2),), {"BLOCK": 8})
+    got = pre.wait()
+    assert calls == ["moecg-triton-key"] and got["specialisations"] == 2 and len(k.warmups) == 2
+
+
 def test_precompile_propagates_compile_errors():
     class Bad(_Kernel):
         def warmup(self, *args, grid, **kwargs):

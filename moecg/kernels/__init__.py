@@ -17,7 +17,7 @@ __all__ = ["get_ops", "triton_ok", "interpreting", "ref", "OPS", "OPS_BACKENDS"]
 # The op functions both backends expose, with the same signatures (a backend may take extra tuning keywords)
 OPS = ("add_rmsnorm", "rope_cache", "attn_decode", "mla_rope_cache", "mla_attn_decode", "route", "norm_route",
        "route_sigmoid_group", "route_topk_softmax", "route_softmax_group", "linear", "head_linear", "router_logits",
-       "silu_mul", "l2_prefetch",
+       "silu_mul",
        "moe_experts",
        "capacity_experts")
 

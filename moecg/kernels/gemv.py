@@ -218,28 +218,3 @@ def head_linear(x, w, tiles=None):
            num_warps=t.warps, num_stages=t.stages, s_xh=x.stride(1), s_wh=w.stride(0), s_yh=y.stride(1),
            s_wk=w.stride(2), **pdl_args(x.device, t.pdl_trigger))
     return y
-
-
-# ------------------------------------------------------------------------------------------------------------
-# L2 prefetch of weights a later kernel of the step reads: one 128-byte line a lane, `prefetch.global.L2::evict_last`
-# (no register waits on it; the program ends once its prefetches are issued). No result: the reference does nothing.
-@triton.jit
-def _l2_prefetch_kernel(p_ptr, n_lines, LINES: tl.constexpr):
-    i = tl.program_id(0) * LINES + tl.arange(0, LINES)
-    ptrs = p_ptr.to(tl.pointer_type(tl.int8)) + tl.where(i < n_lines, i, 0).to(tl.int64) * 128
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-PREFETCH_LINES = 512  # lines a program (64 KiB)
-
-
-@dry_zeros
-def l2_prefetch(*weights) -> None:
-    """Bring each weight (a tensor, a BlockFp8: its values and scales; None: skipped) into L2."""
-    for w in weights:
-        for t in (w.q, w.scale) if isinstance(w, BlockFp8) else (w,):
-            if t is None:
-                continue
-            n = triton.cdiv(t.numel() * t.element_size(), 128)
-            launch(_l2_prefetch_kernel, (triton.cdiv(n, PREFETCH_LINES),), t, n, LINES=PREFETCH_LINES, num_warps=4)

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import functools
 import os
+import threading
 import time
 
 import torch
@@ -182,12 +183,17 @@ class Precompiler:
         self.launches = 0
         self._futures: dict = {}
         self._off = interpreting()
+        self._key = None
         if not self._off:
-            try:  # Triton's hash of its own sources (lru-cached): once here, not once per thread racing to fill it
+            try:
                 from triton.runtime.cache import triton_key
-                triton_key()
             except ImportError:
-                pass
+                triton_key = None
+            if triton_key is not None:  # Triton's hash of its own sources (lru-cached; mostly sha256 over libtriton,
+                # which releases the GIL): on a thread of its own while the dry pass records, each compile waiting for
+                # it (threads racing to fill the cache would each hash it)
+                self._key = threading.Thread(target=triton_key, name="moecg-triton-key", daemon=True)
+                self._key.start()
         n = workers or min(os.cpu_count() or 1, 16)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="moecg-precompile")
 
@@ -197,7 +203,12 @@ class Precompiler:
             return
         key = _spec_key(kernel, args, kwargs)
         if key not in self._futures:
-            self._futures[key] = self._pool.submit(_build, kernel, grid, args, kwargs)
+            self._futures[key] = self._pool.submit(self._build, kernel, grid, args, kwargs)
+
+    def _build(self, kernel, grid, args, kwargs) -> None:
+        if self._key is not None:
+            self._key.join()
+        _build(kernel, grid, args, kwargs)
 
     def cancel(self) -> None:
         """Drop what has not started (the dry pass failed); running compiles finish in the background."""
@@ -205,6 +216,8 @@ class Precompiler:
 
     def wait(self) -> dict:
         try:
+            if self._key is not None:
+                self._key.join()
             for f in self._futures.values():
                 f.result()
         finally:

@@ -293,10 +293,6 @@ def head_linear(x, w, tiles=None):
     return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
 
-def l2_prefetch(*weights) -> None:
-    """Bring weights into the GPU's L2 ahead of their kernel: a hint with no result, nothing to do here."""
-
-
 def silu_mul(gu, inter: int):
     """gu [T, >= 2I] (gate | up, maybe more columns after) -> silu(gate) * up [T, I], rounded as HF's MLP."""
     return F.silu(gu[:, :inter]) * gu[:, inter: 2 * inter]

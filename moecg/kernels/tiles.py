@@ -93,8 +93,10 @@ FULL_MOE_TILE_RULES: tuple[TileRule, ...] = (
 # core_qwen3_30b_a3b_48_fp8_block.md), though alone, kernels from HBM with no successor launched early, they are slower
 # (28.2 us against 25.0, bench_weights_kernels.py's CUDA-core variants, files not kept): the step's PDL overlap favours
 # more, shorter programs (likely; not measured apart). The same tiles in bf16 made the step slower (2.864 -> 3.043 ms). Wider experts keep the
-# tensor-core rule below.
-CORE_MOE = MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256)
+# tensor-core rule below. Two warps a program (half the threads, twice the columns each): 2.424 -> 2.386 ms and 2.416
+# -> 2.380 in two runs on an H100, the same bits (results/weights_bs1/tiles_*, results/l2_prefetch/variants_qwen3_48_*;
+# not measured on the H200).
+CORE_MOE = MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256, warps=2)
 FP8_MOE_TILE_RULES: tuple[TileRule, ...] = (
     TileRule(CORE_MOE, tokens=(1, 2), hidden=(0, 2049)),
     TileRule(MoeTiles(up_k=256, down_k=256, stages=3), tokens=(1, 2), weight=(0, 32 * 2**20)),
