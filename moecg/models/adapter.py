@@ -51,7 +51,7 @@ WINDOW_RULES = ("all", "layer_types", "none")
 # Decode-math features beyond standard attention and SiLU-gated bias-free experts (FamilyAdapter.features). HF's
 # modules run them all; the fused step (moecg.fast) runs a family only when each of its features is in
 # FUSED_FEATURES and its router kind in FUSED_ROUTER_KINDS, below: declared beside the family facts (the fused step
-# reads them from here), so new support is fast.py's code plus one entry here.
+# reads them from here), so new support is moecg.fast's code plus one entry here.
 FEATURES = {
     "qk_norm_full": "q/k RMSNorm over the whole q/k projection, before the head split (OLMoE)",
     "partial_rotary": "rotary on the first partial_rotary_factor * head_dim dims of each head, the rest passed "
