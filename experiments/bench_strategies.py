@@ -63,8 +63,7 @@ def main(argv=None):
 
     built = build_model(args.preset, num_layers=args.num_layers, device=args.device)
     model = built.model
-    dev = next(model.parameters()).device
-    bw, bw_source = bench_bandwidth_gbps(dev, args.bandwidth_gbps)
+    bw, bw_source = bench_bandwidth_gbps(built.device, args.bandwidth_gbps)
     cases = [c for c in DEFAULT if args.only is None or c[0] in args.only]
     max_rows = max(max(bucket_for(b, tuple(args.buckets)) or b, b) for b in args.batch)
     cache_len = args.prompt_len + args.new_tokens

@@ -224,7 +224,7 @@ def main(argv=None):
                  "--skip-compile --skip-hf-generate (moecg's rows, against HF's modules on the same quantized weights)")
     built = build_model(args.preset, num_layers=args.num_layers, device=args.device, weights=args.weights)
     model, dev = built.model, built.device
-    bw, bw_source = bench_bandwidth_gbps(torch.device(dev), args.bandwidth_gbps)
+    bw, bw_source = bench_bandwidth_gbps(dev, args.bandwidth_gbps)
     results = []
     for bs in args.batch:
         prompts = torch.randint(0, model.config.vocab_size, (bs, args.prompt_len),

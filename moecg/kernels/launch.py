@@ -188,10 +188,10 @@ class Precompiler:
             try:
                 from triton.runtime.cache import triton_key
             except ImportError:
-                triton_key = None
-            if triton_key is not None:  # Triton's hash of its own sources (lru-cached; mostly sha256 over libtriton,
-                # which releases the GIL): on a thread of its own while the dry pass records, each compile waiting for
-                # it (threads racing to fill the cache would each hash it)
+                pass
+            else:  # Triton's hash of its own sources (lru-cached; mostly sha256 over libtriton, which releases the
+                # GIL): on a thread of its own while the dry pass records, each compile waiting for it (threads racing
+                # to fill the cache would each hash it)
                 self._key = threading.Thread(target=triton_key, name="moecg-triton-key", daemon=True)
                 self._key.start()
         n = workers or min(os.cpu_count() or 1, 16)
