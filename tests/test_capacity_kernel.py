@@ -232,6 +232,7 @@ def test_kernels_compile_for_hopper():
     def build(fn, consts, stages=4, **ptr_types):
         params = inspect.signature(fn.fn).parameters
         consts = {**{q: 0 for q in ("QROWS", "MX", "PAIRED") if q in params}, **consts}  # bf16, unpaired unless asked
+        consts = {**({"PRELOAD": 1} if "PRELOAD" in params else {}), **consts}  # weights before the wait, as launched
         if fn in (gemv._gemv_kernel, routers._norm_route_kernel):  # unsplit, one partial row, unless asked
             consts = {**{q: 1 for q in ("SPLIT", "KK") if q in params}, **consts}
         tys = {**types, **ptr_types}
@@ -307,3 +308,60 @@ def test_kernels_compile_for_hopper():
           stages=3, w_ptr="*fp8e4nv", ws_ptr="*fp32")
     build(routers._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=False, CAST_LAST=False, BLOCK_D=2048, BLOCK_E=8,
                                            BLOCK_EP=128, USE_PDL=2, KK=4), a_ptr="*fp32")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_weights_load_before_the_pdl_wait():
+    """PRELOAD: in the sm_90 machine code of the GEMV (bf16 and block-FP8, one row and tl.dot rows), norm_route and
+    add_rmsnorm, weight loads (LDG) come before the PDL wait (griddepcontrol.wait, ACQBULK in SASS); without it none
+    does, so the flag decides where the compiler puts them."""
+    import inspect
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moecg.kernels import gemv, norm_rope, routers
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(nvdisasm):
+        pytest.skip("no nvdisasm in this Triton build")
+
+    def loads_before_wait(fn, consts, **tys):
+        params = inspect.signature(fn.fn).parameters
+        sig = {n: "constexpr" if n in consts else tys.get(n, "*bf16" if n.endswith("_ptr") else
+                                                            "fp32" if n == "eps" else "i32") for n in params}
+        try:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": 4, "num_stages": 2})
+        except (FileNotFoundError, RuntimeError) as e:  # no ptxas with this Triton build
+            if "ptxas" in str(e):
+                pytest.skip(f"no ptxas: {e}")
+            raise
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(k.asm["cubin"])
+            sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+        lines = sass.splitlines()
+        wait = [i for i, line in enumerate(lines) if "ACQBULK" in line]
+        assert len(wait) == 1, "one PDL wait"
+        return sum("LDG" in line for line in lines[: wait[0]])
+
+    fp8 = dict(w_ptr="*fp8e4nv", ws_ptr="*fp32")
+    cases = [(gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=1, BLOCK_N=4, BLOCK_K=1024, QROWS=0, SPLIT=1), {}),
+             (gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=1, BLOCK_N=4, BLOCK_K=2048, QROWS=128, SPLIT=1), fp8),
+             (gemv._gemv_kernel, dict(HAS_BIAS=True, BLOCK_T=16, BLOCK_N=16, BLOCK_K=512, QROWS=0, SPLIT=4), {}),
+             (routers._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=False, CAST_LAST=False, BLOCK_D=2048,
+                                               BLOCK_E=8, BLOCK_EP=128, KK=1),
+              dict(lg_ptr="*fp32", sem_ptr="*i32", idx_ptr="*i64")),
+             (norm_rope._add_rmsnorm_kernel, dict(KK=8, HAS_RES=True, HAS_SHARED=False, HAS_SGATE=False,
+                                                  HAS_VALID=False, CAST_LAST=False, BLOCK_D=2048), dict(y_ptr="*fp32"))]
+    for fn, consts, tys in cases:
+        assert loads_before_wait(fn, {**consts, "USE_PDL": 2, "PRELOAD": 1}, **tys) > 0, (fn, consts)
+        assert loads_before_wait(fn, {**consts, "USE_PDL": 2, "PRELOAD": 0}, **tys) == 0, (fn, consts)

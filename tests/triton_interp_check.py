@@ -157,4 +157,27 @@ try:
         assert max(splits) > 1, (preset, set(splits))  # the o projection ran split
 finally:
     tiles_mod.GEMV_RULES, gemv_mod.launch = rules, launch_
+# weights loaded before the PDL wait (launch.PRELOAD) or after it: the same bits from every kernel that preloads (GEMV
+# unsplit, split and block-FP8, norm_route, add_rmsnorm)
+from moecg.models.formats import quantize_stacked  # noqa: E402
+
+
+def _each_preload():
+    xg, wg, bg = torch.randn(2, 256), torch.randn(40, 256), torch.randn(40)
+    r_, nw_, rw_ = torch.randn(2, 40), torch.rand(40) + 0.5, torch.randn(8, 40)
+    parts = tri.linear_partials(xg, wg, bg, tiles=GemvTiles(block_n=16, block_k=64, split_k=3))
+    return (tri.linear(xg, wg, bg, tiles=GemvTiles(block_n=16, block_k=64)),
+            tri.linear(xg[:1], wg, tiles=GemvTiles(block_n=4, block_k=128, rows=1)), parts,
+            tri.linear(xg[:1], quantize_stacked(torch.randn(256, 256)), tiles=GemvTiles(4, 256, rows=1)),
+            *tri.norm_route(parts, r_, nw_, 1e-6, rw_, 2, True, torch.float32), *tri.add_rmsnorm(parts, r_, nw_, 1e-6))
+
+
+assert launch.PRELOAD is True
+outs = []
+for pre in (True, False):
+    torch.manual_seed(11)
+    launch.PRELOAD = pre
+    outs.append(_each_preload())
+launch.PRELOAD = True
+assert all(torch.equal(u, v) for u, v in zip(*outs))
 print("ALL OK")

@@ -61,12 +61,36 @@ def silu_mul(gu, inter: int):
 # number of K steps each) and stores its fp32 partial row; the consumer (add_rmsnorm, norm_route) adds the S
 # partials in order and rounds once, so the projection's output is rounded once as in linear, from the same fp32
 # products summed in another order. S times the programs for projections whose N alone gives too few (o: N = D).
+# PRELOAD (moecg.kernels.launch.PRELOAD): each program loads its first K step's weight tile before its PDL wait, so
+# the programs resident while the predecessor (a norm, the attention) runs have their first tile in flight or in
+# registers when it ends; the arithmetic and its order are unchanged (the loop's first step peeled).
+@triton.jit
+def _w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] of rows n at columns k0 .. (masked past k_hi and N)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & (k < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & (k < k_hi)[None, :], other=0.0)
+    if ROW_SCALE:
+        acc = fp8_row_mac(x, w, acc, ws_ptr + (tl.program_id(0) * BLOCK_N // QROWS) * s_sn, k0, K, s_sk, BLOCK_K)
+    else:
+        if QROWS:
+            w = dequant_tile(w, ws_ptr + (n // QROWS) * s_sn, k0, K, s_sk, nm, x.dtype, BLOCK_N, BLOCK_K)
+        acc = mac(x, w, acc, DOT)
+    return acc
+
+
 @triton.jit(do_not_specialize=["T", "kper"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
                  s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0,
-                 SPLIT: tl.constexpr = 1, kper=0, s_ys=0):
-    pdl_enter(USE_PDL)
+                 SPLIT: tl.constexpr = 1, kper=0, s_ys=0, PRELOAD: tl.constexpr = 0):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT > 1:  # program_id(1) is the K split (one head): columns [sp * kper, (sp + 1) * kper) of K
         sp = tl.program_id(1)
@@ -81,22 +105,22 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
         k_lo = 0
         k_hi = K
     nm = n < N
+    if PRELOAD:  # the first K step's weights (no kernel writes them) load while the predecessor runs (PDL)
+        w = _w_tile(w_ptr, n, nm, k_lo, k_hi, s_wn, s_wk, BLOCK_K)
+    pdl_enter(USE_PDL)
+    if not PRELOAD:
+        w = _w_tile(w_ptr, n, nm, k_lo, k_hi, s_wn, s_wk, BLOCK_K)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     DOT: tl.constexpr = BLOCK_T >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
     ROW_SCALE: tl.constexpr = (BLOCK_T == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # one row: x scaled (fp8_row_mac)
     acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < k_hi
-        x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-        if ROW_SCALE:
-            acc = fp8_row_mac(x, w, acc, ws_ptr + (tl.program_id(0) * BLOCK_N // QROWS) * s_sn, k0, K, s_sk, BLOCK_K)
-        else:
-            if QROWS:
-                w = dequant_tile(w, ws_ptr + (n // QROWS) * s_sn, k0, K, s_sk, nm, x.dtype, BLOCK_N, BLOCK_K)
-            acc = mac(x, w, acc, DOT)
+    acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k_lo, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N, BLOCK_K,
+                     DOT, ROW_SCALE)  # every split has columns (linear_partials): the first step always runs
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        w = _w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
+        acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
+                         BLOCK_K, DOT, ROW_SCALE)
     acc = mac_sum(acc, DOT)
     if HAS_BIAS:  # split: once, in the first split's partial
         b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
@@ -127,7 +151,8 @@ def linear(x, w, bias=None, tiles=None):
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, rows)), x, w, bias if bias is not None else y,
             y, T, N, K, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=rows,
             BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages, **pdl_args(x.device, t.pdl_trigger))
+            BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages,
+            **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y
 
 
@@ -146,7 +171,7 @@ def router_logits(h, w, tiles=None):
     y = torch.empty(T, E, dtype=torch.float32, device=h.device)
     launch(_gemv_kernel, (triton.cdiv(E, t.block_n), 1, T), h, w, y, y, T, E, K, h.stride(0), w.stride(0),
            y.stride(0), HAS_BIAS=False, BLOCK_T=1, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps,
-           num_stages=t.stages, **pdl_args(h.device, t.pdl_trigger))
+           num_stages=t.stages, **pdl_args(h.device, t.pdl_trigger, preload=True))
     return y
 
 
@@ -181,7 +206,8 @@ def linear_partials(x, w, bias=None, tiles=None):
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), S, triton.cdiv(T, rows)), x, q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), q.stride(0), y.stride(1),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
-           num_stages=t.stages, SPLIT=S, kper=kper, s_ys=y.stride(0), **extra, **pdl_args(x.device, t.pdl_trigger))
+           num_stages=t.stages, SPLIT=S, kper=kper, s_ys=y.stride(0), **extra,
+           **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y.transpose(0, 1)  # [T, S, N]
 
 
@@ -197,7 +223,7 @@ def _linear_fp8(x, w, bias, tiles):
            bias if bias is not None else y, y, T, N, K, x.stride(0), w.q.stride(0), y.stride(0),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=check_block_k(t.block_k),
            num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows,
-           **pdl_args(x.device, t.pdl_trigger))
+           **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y
 
 
@@ -216,5 +242,5 @@ def head_linear(x, w, tiles=None):
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), H, triton.cdiv(T, rows)), x, w, y, y, T, N, K, x.stride(0),
            w.stride(1), y.stride(0), HAS_BIAS=False, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
            num_warps=t.warps, num_stages=t.stages, s_xh=x.stride(1), s_wh=w.stride(0), s_yh=y.stride(1),
-           s_wk=w.stride(2), **pdl_args(x.device, t.pdl_trigger))
+           s_wk=w.stride(2), **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y

@@ -32,6 +32,10 @@ def p2(n: int) -> int:
 # PDL None: mode 2 where the device (sm90+) and Triton support it; benchmarks set 0, 1 or 2. Off under the CPU
 # interpreter.
 PDL: int | None = None
+# PRELOAD: a kernel that reads constant weights (the GEMV's first K step, norm_route's router rows, a norm's weight)
+# issues those loads before its PDL wait, so they run while its predecessor does; results are unchanged (no kernel
+# writes weights). Benchmarks set False to measure what it buys.
+PRELOAD: bool = True
 
 
 def pdl_mode(device) -> int:
@@ -68,12 +72,13 @@ def split_sems(device, n: int, kind: str) -> torch.Tensor:
     return _SEMS[key]
 
 
-def pdl_args(device, trigger: bool = True) -> dict:
+def pdl_args(device, trigger: bool = True, preload: bool = False) -> dict:
     """The launch arguments of a PDL-aware kernel: its USE_PDL mode and, when on, Triton's launch option.
-    trigger False: at most mode 1 (the kernel's successor launches only as its blocks exit)."""
+    trigger False: at most mode 1 (the kernel's successor launches only as its blocks exit).
+    preload: the kernel takes PRELOAD (its weight loads before the wait), set from the module's PRELOAD."""
     mode = pdl_mode(device)
     mode = min(mode, 1) if not trigger else mode
-    return {"USE_PDL": mode, **({"launch_pdl": True} if mode else {})}
+    return {"USE_PDL": mode, **({"launch_pdl": True} if mode else {}), **({"PRELOAD": int(PRELOAD)} if preload else {})}
 
 
 @triton.jit

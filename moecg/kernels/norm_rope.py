@@ -25,11 +25,15 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
                         T, D, eps, s_yt, s_yk, s_rt, s_sht, s_sgt, s_ort, s_ot,
                         KK: tl.constexpr, HAS_RES: tl.constexpr, HAS_SHARED: tl.constexpr,
                         HAS_SGATE: tl.constexpr, HAS_VALID: tl.constexpr, CAST_LAST: tl.constexpr,
-                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    pdl_enter(USE_PDL)
+                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0):
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
+    if PRELOAD:  # the norm weight (no kernel writes it) loads while the predecessor runs (PDL)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
+    if not PRELOAD:
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for k in tl.static_range(KK):
@@ -53,7 +57,6 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
     yn = out * tl.rsqrt(var + eps)
     if not CAST_LAST:  # Llama-style: the normalised x is rounded before the weight multiplies it
         yn = yn.to(dt).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * s_ot + offs, (w * yn).to(dt), mask=m)
 
 
@@ -75,7 +78,7 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
         new_res.stride(0), normed.stride(0),
         KK=KK, HAS_RES=residual is not None, HAS_SHARED=shared is not None, HAS_SGATE=shared_gate is not None,
         HAS_VALID=valid is not None, CAST_LAST=cast_last, BLOCK_D=p2(D), num_warps=_tiles.norm_warps(T, D, KK),
-        **pdl_args(y.device))
+        **pdl_args(y.device, preload=True))
     return new_res, normed
 
 

@@ -104,8 +104,7 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
                        w_ptr, T, D, E, eps, s_at, s_rt, s_rwe, s_ort, s_ot, K: tl.constexpr, NORM: tl.constexpr,
                        HAS_SKEW: tl.constexpr, CAST_LAST: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_EP: tl.constexpr, USE_PDL: tl.constexpr = 0, KK: tl.constexpr = 1,
-                       s_ak=0):
-    pdl_enter(USE_PDL)
+                       s_ak=0, PRELOAD: tl.constexpr = 0):
     t = tl.program_id(0)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -113,13 +112,18 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
     km = kk < D
     e = nb * BLOCK_E + tl.arange(0, BLOCK_E)
     em = e < E
-    wr = tl.load(rw_ptr + e[:, None] * s_rwe + kk[None, :], mask=em[:, None] & km[None, :], other=0.0)
+    if PRELOAD:  # the router rows and the norm weight (no kernel writes them) load while the predecessor runs (PDL)
+        wr = tl.load(rw_ptr + e[:, None] * s_rwe + kk[None, :], mask=em[:, None] & km[None, :], other=0.0)
+        nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
+    if not PRELOAD:
+        wr = tl.load(rw_ptr + e[:, None] * s_rwe + kk[None, :], mask=em[:, None] & km[None, :], other=0.0)
+        nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
     a = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(KK):  # the projection's split-K partial rows (one: its output), added in order
         a += tl.load(a_ptr + t * s_at + j * s_ak + kk, mask=km, other=0.0).to(tl.float32)
     a = a.to(dt).to(tl.float32)  # the projection's output, rounded once
     r = tl.load(res_ptr + t * s_rt + kk, mask=km, other=0.0).to(tl.float32)
-    nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
     out = (r + a).to(dt).to(tl.float32)  # the new residual: res + round(a), rounded
     yn = out * tl.rsqrt(tl.sum(out * out, axis=0) / D + eps)
     if not CAST_LAST:
@@ -169,7 +173,7 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
         a, residual, weight, router_w, logit_bias if logit_bias is not None else lg, lg, sems, new_res, normed, idx, w,
         T, D, E, eps, a.stride(0), residual.stride(0), router_w.stride(0), new_res.stride(0), normed.stride(0),
         K=top_k, NORM=normalize, HAS_SKEW=logit_bias is not None, CAST_LAST=cast_last, BLOCK_D=p2(D), BLOCK_E=be,
-        BLOCK_EP=p2(E), num_warps=8, KK=KK, s_ak=a.stride(1), **pdl_args(a.device))
+        BLOCK_EP=p2(E), num_warps=8, KK=KK, s_ak=a.stride(1), **pdl_args(a.device, preload=True))
     return new_res, normed, idx, w
 
 
