@@ -37,6 +37,7 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from moecg.dispatch import state_of
+from moecg.models import check_transformers
 from moecg.models.adapter import adapter_for
 
 
@@ -193,6 +194,7 @@ class EagerPolicy:
 class DecodeEngine:
     def __init__(self, model, max_cache_len: int, max_rows: int, prefill_chunk: int | None = None):
         """prefill_chunk: prompt tokens per prefill forward (None: the whole prompt in one forward; module docstring)."""
+        check_transformers()  # the forward's cache argument is 5.24's: another release would decode without prompts
         self.model = model
         self.prefill_chunk = check_prefill_chunk(prefill_chunk, _prefiller(state_of(model)))
         p = next(model.parameters())

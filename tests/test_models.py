@@ -141,3 +141,26 @@ def test_prompts_from_file_and_heldout(tmp_path):
         make_prompts("file", 2, 3, 0, 512, str(words))
     held = make_prompts("heldout", 3, 16, 1, 256)
     assert held.shape == (3, 16) and int(held.max()) < 256
+
+def test_another_transformers_release_is_refused(monkeypatch):
+    """moecg passes the KV cache as 5.24's `cache=`; 5.17 would ignore it and decode every row without its prompt.
+    The release in the code is pyproject's pin, and build_model and DecodeEngine refuse any other, naming the fix."""
+    import tomllib
+    from pathlib import Path
+
+    import moecg.models
+    from moecg.models import TRANSFORMERS_RELEASE, check_transformers
+
+    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"transformers=={TRANSFORMERS_RELEASE}.*" in deps
+    check_transformers()  # the installed one
+    check_transformers(TRANSFORMERS_RELEASE + ".3")
+    for v in ("5.17.0", "5.2.4", "4.57.1", "6.24.0"):
+        with pytest.raises(RuntimeError, match=rf"transformers {v} is installed.*pip install 'transformers==5\.24\.\*'"):
+            check_transformers(v)
+    model = build_model("mixtral_tiny", dtype="fp32", device="cpu").model
+    monkeypatch.setattr(moecg.models.transformers, "__version__", "5.17.0")  # the module object moecg reads
+    with pytest.raises(RuntimeError, match="transformers 5.17.0"):
+        build_model("mixtral_tiny", dtype="fp32", device="cpu")
+    with pytest.raises(RuntimeError, match="transformers 5.17.0"):
+        DecodeEngine(model, 32, 2)

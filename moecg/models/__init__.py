@@ -6,6 +6,7 @@ from pathlib import Path
 from dataclasses import dataclass
 
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from moecg.models.adapter import ADAPTERS, FamilyAdapter, adapter_for
@@ -14,8 +15,8 @@ from moecg.models.skew import apply_router_skew, remove_router_skew
 from moecg.models.weights import dequantize_model, mark_quantized, quantize_layer, quantize_model, weight_format
 from moecg.models.zoo import FAMILIES, PRESETS, family_of_config, make_config
 
-__all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "FamilyAdapter", "adapter_for", "apply_router_skew",
-           "remove_router_skew", "build_model", "make_config", "resolve_dtype", "resolve_device", "BuiltModel"]
+__all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "TRANSFORMERS_RELEASE", "FamilyAdapter", "adapter_for",
+           "apply_router_skew", "check_transformers", "remove_router_skew", "build_model", "make_config", "resolve_dtype", "resolve_device", "BuiltModel"]
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -103,12 +104,28 @@ def _attn_implementation(model_cls, requested: str) -> str:
     return requested
 
 
+# The transformers release moecg runs on (pyproject.toml pins the same; tests/test_models.py checks they agree). Others
+# are refused, not tolerated: 5.17 takes the cache as `past_key_values=` and silently drops moecg's `cache=`, so every
+# row then decodes without its prompt (a bs-8 step routes all rows to one row's experts) and nothing fails.
+TRANSFORMERS_RELEASE = "5.24"
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Raise (before any model or CUDA work) unless transformers is the release moecg runs on (TRANSFORMERS_RELEASE)."""
+    v = transformers.__version__ if version is None else version
+    if v.split(".")[:2] != TRANSFORMERS_RELEASE.split("."):
+        raise RuntimeError(f"transformers {v} is installed; moecg runs on transformers {TRANSFORMERS_RELEASE}.* only "
+                           "(other releases take the KV cache under another argument name and would decode every "
+                           f"row without its prompt). Fix: pip install 'transformers=={TRANSFORMERS_RELEASE}.*'")
+
+
 def build_model(preset: str | None = None, *, pretrained_path: str | None = None, num_layers: int | None = None,
                 dtype: str | None = "auto", device: str | None = "auto", seed: int = 0, router_skew: float = 0.0,
                 attn_implementation: str = "sdpa", config_overrides: dict | None = None,
                 weights: str | None = None) -> BuiltModel:
     """Build an HF MoE model in eval mode, weights created directly on `device` in `dtype`, then stored in format
     `weights` (moecg.models.formats.FORMATS; None: as built or as the checkpoint stores them)."""
+    check_transformers()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
