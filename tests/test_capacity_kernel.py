@@ -314,9 +314,9 @@ def test_kernels_compile_for_hopper():
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_weights_load_before_the_pdl_wait():
-    """PRELOAD: in the sm_90 machine code of the GEMV (bf16 and block-FP8, one row and tl.dot rows), norm_route and
-    add_rmsnorm, weight loads (LDG) come before the PDL wait (griddepcontrol.wait, ACQBULK in SASS); without it none
-    does, so the flag decides where the compiler puts them."""
+    """PRELOAD: in the sm_90 machine code of the GEMV (bf16 and block-FP8, one row and tl.dot rows), norm_route,
+    add_rmsnorm and the dropless MoE down kernel, loads (LDG) come before the PDL wait (griddepcontrol.wait, ACQBULK in
+    SASS); without it none does, so the flag decides where the compiler puts them."""
     import inspect
     import os
     import subprocess
@@ -326,7 +326,7 @@ def test_weights_load_before_the_pdl_wait():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from moecg.kernels import gemv, norm_rope, routers
+    from moecg.kernels import gemv, moe, norm_rope, routers
 
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(nvdisasm):
@@ -362,6 +362,11 @@ def test_weights_load_before_the_pdl_wait():
               dict(lg_ptr="*fp32", sem_ptr="*i32", idx_ptr="*i64")),
              (norm_rope._add_rmsnorm_kernel, dict(KK=8, HAS_RES=True, HAS_SHARED=False, HAS_SGATE=False,
                                                   HAS_VALID=False, CAST_LAST=False, BLOCK_D=2048), dict(y_ptr="*fp32"))]
+    for split, bm, q in ((1, 1, 128), (2, 1, 0), (1, 16, 0)):  # the dropless down kernel (block-FP8 and bf16)
+        cases.append((moe._moe_down_kernel, dict(K=8, HAS_VALID=True, HAS_BIAS=False, SPLIT=split, BLOCK_M=bm,
+                                                 BLOCK_N=16, BLOCK_K=256, BLOCK_S=64, QROWS=q, MX=0),
+                      dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", part_ptr="*fp32", sem_ptr="*i32",
+                           **(fp8 if q else {}))))
     for fn, consts, tys in cases:
         assert loads_before_wait(fn, {**consts, "USE_PDL": 2, "PRELOAD": 1}, **tys) > 0, (fn, consts)
         assert loads_before_wait(fn, {**consts, "USE_PDL": 2, "PRELOAD": 0}, **tys) == 0, (fn, consts)

@@ -166,7 +166,16 @@ def _each_preload():
     xg, wg, bg = torch.randn(2, 256), torch.randn(40, 256), torch.randn(40)
     r_, nw_, rw_ = torch.randn(2, 40), torch.rand(40) + 0.5, torch.randn(8, 40)
     parts = tri.linear_partials(xg, wg, bg, tiles=GemvTiles(block_n=16, block_k=64, split_k=3))
-    return (tri.linear(xg, wg, bg, tiles=GemvTiles(block_n=16, block_k=64)),
+    xm, gu_, dn_ = torch.randn(3, 64), torch.randn(6, 64, 64) / 8, torch.randn(6, 64, 32) / 6
+    xq, guq, dnq = torch.randn(1, 128), quantize_stacked(torch.randn(6, 256, 128), 2), quantize_stacked(
+        torch.randn(6, 128, 128))  # block-FP8 experts, one row (the CUDA-core tiles)
+    im, wm, vm_ = torch.tensor([[1, 4], [1, 0], [5, 1]]), torch.rand(3, 2), torch.tensor([True, False, True])
+    moe = [tri.moe_experts(xm, im, wm, gu_, dn_, vm_, grid=grid, tiles=MoeTiles(
+        block_m=bm, up_n=16, up_k=32, down_n=16, down_k=16, down_split=split))
+        for grid, split, bm in (("slot", 1, 1), ("expert", 3, 16), ("slot", 2, 1))]
+    moe += [tri.moe_experts(xq, im[:1], wm[:1], guq, dnq, tiles=MoeTiles(
+        block_m=1, up_n=16, up_k=128, down_n=16, down_k=64, down_split=split)) for split in (1, 2)]
+    return (*moe, tri.linear(xg, wg, bg, tiles=GemvTiles(block_n=16, block_k=64)),
             tri.linear(xg[:1], wg, tiles=GemvTiles(block_n=4, block_k=128, rows=1)), parts,
             tri.linear(xg[:1], quantize_stacked(torch.randn(256, 256)), tiles=GemvTiles(4, 256, rows=1)),
             *tri.norm_route(parts, r_, nw_, 1e-6, rw_, 2, True, torch.float32), *tri.add_rmsnorm(parts, r_, nw_, 1e-6))

@@ -32,9 +32,10 @@ def p2(n: int) -> int:
 # PDL None: mode 2 where the device (sm90+) and Triton support it; benchmarks set 0, 1 or 2. Off under the CPU
 # interpreter.
 PDL: int | None = None
-# PRELOAD: a kernel that reads constant weights (the GEMV's first K step, norm_route's router rows, a norm's weight)
-# issues those loads before its PDL wait, so they run while its predecessor does; results are unchanged (no kernel
-# writes weights). Benchmarks set False to measure what it buys.
+# PRELOAD: a kernel that reads constant weights (the GEMV's first K step, norm_route's router rows, a norm's weight,
+# the dropless MoE down kernel's first K step of its expert, which the router kernel two launches back chose) issues
+# those loads before its PDL wait, so they run while its predecessor does; results are unchanged (no kernel writes
+# weights). Benchmarks set False to measure what it buys.
 PRELOAD: bool = True
 
 

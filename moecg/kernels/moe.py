@@ -134,35 +134,64 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
 
 
 @triton.jit
+def _down_w(w_ptr, e, n, nm, k0, k_hi, s_we, s_wn, s_wk, BLOCK_K: tl.constexpr):
+    """Expert e's down-projection weight tile [BLOCK_N, BLOCK_K]: output rows n, columns k0 .. of I (masked past
+    k_hi; nm: the rows to load)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn + kk[None, :] * s_wk,
+                   mask=nm[:, None] & (kk < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk,
+               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr,
+               ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
+    """acc + h rows `rows` at columns k0 .. of I times the weight tile w of those columns (mxfp4: w unused, mx_dot
+    loads its own)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    km = kk < k_hi
+    h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+    if MX:
+        acc = mx_dot(h, acc, w_ptr + e.to(tl.int64) * s_we, n, s_wn, s_wk, ws_ptr + e.to(tl.int64) * s_se, s_sj,
+                     s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
+    else:
+        if ROW_SCALE:
+            acc = fp8_row_mac(h, w, acc, ws_ptr + e.to(tl.int64) * s_se + (nb * BLOCK_N // QROWS) * s_sj, k0,
+                              k_hi, s_sk, BLOCK_K)
+        else:
+            if QROWS:
+                w = dequant_tile(w, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, k_hi, s_sk, nm,
+                                 h.dtype, BLOCK_N, BLOCK_K)
+            acc = mac(h, w, acc, DOT)
+    return acc
+
+
+@triton.jit
 def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
-    """The unrounded fp32 down-projection sum over I in [k_lo, k_hi) of h rows `rows` for output columns block nb
-    -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask). QROWS > 0: e4m3 weights, MX: mxfp4 ones
-    ([E, D, I / 2]), as up_tile's."""
+              ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, w0=None, HAS_W0: tl.constexpr = 0):
+    """The unrounded fp32 down-projection sum over I in [k_lo, k_hi) (never empty) of h rows `rows` for output
+    columns block nb -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask). QROWS > 0: e4m3 weights, MX:
+    mxfp4 ones ([E, D, I / 2]), as up_tile's. HAS_W0: w0 is the first K step's weight tile (_down_w), loaded by the
+    caller (before its PDL wait); the loop's first step is peeled either way, the same products in the same order."""
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < D
     DOT: tl.constexpr = BLOCK_M >= 16  # as up_tile's
     ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # as up_tile's
     acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
-    wd = w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        km = kk < k_hi
-        h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        if MX:
-            acc = mx_dot(h, acc, w_ptr + e.to(tl.int64) * s_we, n, s_wn, s_wk, ws_ptr + e.to(tl.int64) * s_se, s_sj,
-                         s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
-        else:
-            w = tl.load(wd + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-            if ROW_SCALE:
-                acc = fp8_row_mac(h, w, acc, ws_ptr + e.to(tl.int64) * s_se + (nb * BLOCK_N // QROWS) * s_sj, k0,
-                                  k_hi, s_sk, BLOCK_K)
-            else:
-                if QROWS:
-                    w = dequant_tile(w, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, k_hi, s_sk, nm,
-                                     h.dtype, BLOCK_N, BLOCK_K)
-                acc = mac(h, w, acc, DOT)
+    if HAS_W0:
+        w = w0
+    elif MX:
+        w = nm  # unused: mx_dot loads its own tiles
+    else:
+        w = _down_w(w_ptr, e, n, nm, k_lo, k_hi, s_we, s_wn, s_wk, BLOCK_K)
+    acc = _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k_lo, k_hi, s_hs, s_we, s_wn, s_wk, BLOCK_K,
+                     BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        if not MX:
+            w = _down_w(w_ptr, e, n, nm, k0, k_hi, s_we, s_wn, s_wk, BLOCK_K)
+        acc = _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk, BLOCK_K,
+                         BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX)
     acc = mac_sum(acc, DOT)
     return acc, n, nm
 
@@ -257,16 +286,33 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                      k_chunk, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, HAS_VALID: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk,
-                     QROWS: tl.constexpr, MX: tl.constexpr):
+                     QROWS: tl.constexpr, MX: tl.constexpr, PRELOAD: tl.constexpr = 0):
     """SPLIT > 1 (split-K over I, for batch-1 steps whose column blocks alone are too few programs): each of a
     tile's SPLIT programs stores its fp32 partial sum, and the last to finish (a per-tile counter) adds the
     partials in split order, so the result is deterministic and rounded once, as without splits; it then
-    zeroes the counter for the next call (and graph replay)."""
-    pdl_enter(USE_PDL)
+    zeroes the counter for the next call (and graph replay).
+    PRELOAD (not mxfp4): the program finds its expert and loads its first K step's weight tile before its PDL wait.
+    Its predecessor is the up kernel, which writes h only: the routing it reads (idx, and valid, written before the
+    step) comes from the router kernel, complete before the up kernel's programs passed their own wait and let this
+    kernel launch."""
     p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2) // SPLIT
     ks = tl.program_id(2) % SPLIT
+    k_lo = ks * k_chunk  # unsplit: ks 0 and k_chunk I
+    k_hi = tl.minimum(k_lo + k_chunk, I)
+    PRE: tl.constexpr = PRELOAD and not MX
+    if PRE:
+        e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
+        cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
+        n0 = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_run = tl.where(lead & (cnt > mb * BLOCK_M), D, 0)  # rows to load: none where the program will not run
+        w0 = _down_w(w_ptr, e, n0, n0 < n_run, k_lo, k_hi, s_we, s_wn, s_wk, BLOCK_K)
+    pdl_enter(USE_PDL)
+    if not PRE:
+        e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
+        cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
+        w0 = rmask  # unused
     if HAS_VALID:  # pad rows get zeros here (no kernel writes them otherwise): program 0 of each tile column
         if (p == 0) & (ks == 0):
             tt = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -275,21 +321,17 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
             for k in tl.static_range(K):
                 tl.store(y_ptr + (tt * K + k)[:, None] * s_ys + nz[None, :],
                          tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=pad[:, None] & (nz < D)[None, :])
-    e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
-    cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
     if lead & (cnt > mb * BLOCK_M):
         dt = h_ptr.dtype.element_ty
         if SPLIT == 1:
             acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX)
+                                   BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, w0, PRE)
             o = _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS)
             tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
         else:
-            k_lo = ks * k_chunk
-            acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, tl.minimum(k_lo + k_chunk, I),
-                                   s_hs, s_we, s_wn, s_wk, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS,
-                                   MX)
+            acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, w0, PRE)
             om = rmask[:, None] & nm[None, :]
             tile_off = rows[:, None] * D + n[None, :]  # part: [SPLIT, S, D] fp32
             tl.store(part_ptr + ks * S * D + tile_off, acc, mask=om)
@@ -414,5 +456,5 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         sems, S, int(by_slot), D, inter, k_chunk, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
         HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=down_k, BLOCK_S=64,
-        num_warps=t.warps, num_stages=t.stages, **a.down_scale, **pdl_args(x.device, t.pdl_trigger))
+        num_warps=t.warps, num_stages=t.stages, **a.down_scale, **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y
