@@ -173,22 +173,21 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     """The unrounded fp32 down-projection sum over I in [k_lo, k_hi) (never empty) of h rows `rows` for output
     columns block nb -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask). QROWS > 0: e4m3 weights, MX:
     mxfp4 ones ([E, D, I / 2]), as up_tile's. HAS_W0: w0 is the first K step's weight tile (_down_w), loaded by the
-    caller (before its PDL wait); the loop's first step is peeled either way, the same products in the same order."""
+    caller (before its PDL wait), its step peeled from the loop: the same products in the same order."""
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < D
     DOT: tl.constexpr = BLOCK_M >= 16  # as up_tile's
     ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # as up_tile's
     acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
-    if HAS_W0:
-        w = w0
-    elif MX:
-        w = nm  # unused: mx_dot loads its own tiles
-    else:
-        w = _down_w(w_ptr, e, n, nm, k_lo, k_hi, s_we, s_wn, s_wk, BLOCK_K)
-    acc = _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k_lo, k_hi, s_hs, s_we, s_wn, s_wk, BLOCK_K,
-                     BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        if not MX:
+    k_first = k_lo
+    if HAS_W0:  # the first step peeled (block-FP8 tl.dot tiles measured slower peeled, so only here)
+        acc = _down_step(h_ptr, rows, rmask, w0, acc, e, nb, n, nm, w_ptr, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
+                         BLOCK_K, BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX)
+        k_first = k_lo + BLOCK_K
+    for k0 in range(k_first, k_hi, BLOCK_K):
+        if MX:
+            w = nm  # unused: mx_dot loads its own tiles
+        else:
             w = _down_w(w_ptr, e, n, nm, k0, k_hi, s_we, s_wn, s_wk, BLOCK_K)
         acc = _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk, BLOCK_K,
                          BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX)
@@ -301,7 +300,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
     ks = tl.program_id(2) % SPLIT
     k_lo = ks * k_chunk  # unsplit: ks 0 and k_chunk I
     k_hi = tl.minimum(k_lo + k_chunk, I)
-    PRE: tl.constexpr = PRELOAD and not MX
+    PRE: tl.constexpr = PRELOAD and (BLOCK_M == 1) and not MX  # measured: the batch-1 tiles gain, FP8 tl.dot ones lose
     if PRE:
         e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
         cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
