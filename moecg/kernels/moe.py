@@ -145,9 +145,9 @@ def _down_w(w_ptr, e, n, nm, k0, k_hi, s_we, s_wn, s_wk, BLOCK_K: tl.constexpr):
 @triton.jit
 def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk,
                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr,
-               ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr):
-    """acc + h rows `rows` at columns k0 .. of I times the weight tile w of those columns (mxfp4: w unused, mx_dot
-    loads its own)."""
+               ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, HAS_W: tl.constexpr):
+    """acc + h rows `rows` at columns k0 .. of I times the weights of those columns: w (HAS_W, loaded by the caller)
+    or loaded here after h (mxfp4: mx_dot loads its own)."""
     kk = k0 + tl.arange(0, BLOCK_K)
     km = kk < k_hi
     h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
@@ -155,6 +155,8 @@ def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, 
         acc = mx_dot(h, acc, w_ptr + e.to(tl.int64) * s_we, n, s_wn, s_wk, ws_ptr + e.to(tl.int64) * s_se, s_sj,
                      s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
     else:
+        if not HAS_W:
+            w = _down_w(w_ptr, e, n, nm, k0, k_hi, s_we, s_wn, s_wk, BLOCK_K)
         if ROW_SCALE:
             acc = fp8_row_mac(h, w, acc, ws_ptr + e.to(tl.int64) * s_se + (nb * BLOCK_N // QROWS) * s_sj, k0,
                               k_hi, s_sk, BLOCK_K)
@@ -180,17 +182,13 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # as up_tile's
     acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
     k_first = k_lo
-    if HAS_W0:  # the first step peeled (block-FP8 tl.dot tiles measured slower peeled, so only here)
+    if HAS_W0:  # the first step peeled (only here: the tl.dot tiles keep the plain loop, measured faster)
         acc = _down_step(h_ptr, rows, rmask, w0, acc, e, nb, n, nm, w_ptr, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
-                         BLOCK_K, BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX)
+                         BLOCK_K, BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, True)
         k_first = k_lo + BLOCK_K
     for k0 in range(k_first, k_hi, BLOCK_K):
-        if MX:
-            w = nm  # unused: mx_dot loads its own tiles
-        else:
-            w = _down_w(w_ptr, e, n, nm, k0, k_hi, s_we, s_wn, s_wk, BLOCK_K)
-        acc = _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk, BLOCK_K,
-                         BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX)
+        acc = _down_step(h_ptr, rows, rmask, nm, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk, BLOCK_K,
+                         BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, False)
     acc = mac_sum(acc, DOT)
     return acc, n, nm
 
@@ -298,20 +296,15 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
     mb = tl.program_id(1)
     nb = tl.program_id(2) // SPLIT
     ks = tl.program_id(2) % SPLIT
-    k_lo = ks * k_chunk  # unsplit: ks 0 and k_chunk I
-    k_hi = tl.minimum(k_lo + k_chunk, I)
     PRE: tl.constexpr = PRELOAD and (BLOCK_M == 1) and not MX  # measured: the batch-1 tiles gain, FP8 tl.dot ones lose
     if PRE:
         e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
         cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
         n0 = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         n_run = tl.where(lead & (cnt > mb * BLOCK_M), D, 0)  # rows to load: none where the program will not run
-        w0 = _down_w(w_ptr, e, n0, n0 < n_run, k_lo, k_hi, s_we, s_wn, s_wk, BLOCK_K)
+        k_lo0 = ks * k_chunk  # unsplit: ks 0 and k_chunk I
+        w0 = _down_w(w_ptr, e, n0, n0 < n_run, k_lo0, tl.minimum(k_lo0 + k_chunk, I), s_we, s_wn, s_wk, BLOCK_K)
     pdl_enter(USE_PDL)
-    if not PRE:
-        e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
-        cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
-        w0 = rmask  # unused
     if HAS_VALID:  # pad rows get zeros here (no kernel writes them otherwise): program 0 of each tile column
         if (p == 0) & (ks == 0):
             tt = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -320,6 +313,10 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
             for k in tl.static_range(K):
                 tl.store(y_ptr + (tt * K + k)[:, None] * s_ys + nz[None, :],
                          tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=pad[:, None] & (nz < D)[None, :])
+    if not PRE:
+        e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
+        cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
+        w0 = rmask  # unused
     if lead & (cnt > mb * BLOCK_M):
         dt = h_ptr.dtype.element_ty
         if SPLIT == 1:
@@ -329,8 +326,10 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
             tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
         else:
-            acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, w0, PRE)
+            k_lo = ks * k_chunk
+            acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, tl.minimum(k_lo + k_chunk, I),
+                                   s_hs, s_we, s_wn, s_wk, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS,
+                                   MX, w0, PRE)
             om = rmask[:, None] & nm[None, :]
             tile_off = rows[:, None] * D + n[None, :]  # part: [SPLIT, S, D] fp32
             tl.store(part_ptr + ks * S * D + tile_off, acc, mask=om)
