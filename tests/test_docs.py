@@ -7,7 +7,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-README_MAX_LINES = 250
+README_MAX_LINES = 140
 SESSION_WORDING = re.compile(r"this session|session [0-9]|issue ?[0-9]{1,2}\b", re.IGNORECASE)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")  # [text](target) and ![alt](target)
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)

@@ -1,5 +1,5 @@
 """Sweeps through Hydra launchers (basic, submitit_local; submitit_slurm's config), the failed-jobs report and exit
-code, one-line errors of a failed single run, per-job process isolation, and the README's quoting examples."""
+code, one-line errors of a failed single run, per-job process isolation, and the documented quoting examples (docs/running.md)."""
 from __future__ import annotations
 
 import json
@@ -156,10 +156,10 @@ def test_sweep_jobs_reads_this_sweeps_dirs_only(tmp_path):
                                      "writing it)"]
 
 
-# -- README examples ----------------------------------------------------------------------------------------------
-def readme_command(*needles) -> list[str]:
-    """The README's example line holding every needle, as bash would split it, minus `python -m moecg.run`."""
-    lines = [ln for ln in (ROOT / "README.md").read_text().splitlines()
+# -- the documented examples (docs/running.md) ------------------------------------------------------------------------
+def docs_command(*needles) -> list[str]:
+    """docs/running.md's example line holding every needle, as bash would split it, minus `python -m moecg.run`."""
+    lines = [ln for ln in (ROOT / "docs" / "running.md").read_text().splitlines()
              if ln.startswith("python -m moecg.run") and all(n in ln for n in needles)]
     assert len(lines) == 1, lines
     argv = shlex.split(lines[0], comments=True)
@@ -167,8 +167,8 @@ def readme_command(*needles) -> list[str]:
     return argv[3:]
 
 
-def test_readme_mixed_example_keeps_the_layer_ranges_whole():
-    overrides = readme_command("strategy=mixed")
+def test_docs_mixed_example_keeps_the_layer_ranges_whole():
+    overrides = docs_command("strategy=mixed")
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
         assert cfg.strategy.name == "mixed" and cfg.model.preset == "qwen1_5_moe_a2_7b"
@@ -178,11 +178,11 @@ def test_readme_mixed_example_keeps_the_layer_ranges_whole():
             compose(config_name="config", overrides=shlex.split("strategy=mixed strategy.layers='0-11:layer,12-23:attn'"))
 
 
-def test_readme_launcher_and_wandb_examples_compose():
+def test_docs_launcher_and_wandb_examples_compose():
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=readme_command("logger=wandb"))
+        cfg = compose(config_name="config", overrides=docs_command("logger=wandb"))
         assert (cfg.logger.name, cfg.logger.mode) == ("wandb", "offline")
-        overrides = [o for o in readme_command("hydra/launcher=submitit_slurm") if o != "-m"]
+        overrides = [o for o in docs_command("hydra/launcher=submitit_slurm") if o != "-m"]
         cfg = compose(config_name="config", overrides=[o.replace("1,8,32", "8") for o in overrides],
                       return_hydra_config=True)
         assert cfg.hydra.launcher.partition == "gpu" and cfg.hydra.launcher._target_.endswith("SlurmLauncher")
