@@ -27,9 +27,9 @@ from moecg.models.adapter import adapter_for
 __all__ = ["Capture", "CaptureError", "STRATEGIES", "StrategyError", "StrategySpec", "DEFAULT_BUCKETS",
            "bucket_for", "validate_buckets", "parse_layers", "resolve", "validate"]
 
-# model -> the keys (buckets, cache slots, PDL mode, tile tables, dispatcher) whose fused-step dry pass ran in this
-# process: a second Capture of the same step (a sweep's next configuration, capture_time.py --recapture) skips it,
-# every kernel being in memory already; anything new (other tiles passed in) still compiles, inside the first warmup
+# model -> the keys (buckets, cache slots, PDL mode, weight preloads, tile tables, dispatcher) whose fused-step dry
+# pass ran in this process: a second Capture of the same step (a sweep's next configuration, capture_time.py
+# --recapture) skips it, every kernel being in memory already; anything new (other tiles passed in) still compiles, inside the first warmup
 # that launches it
 _PRECOMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -208,10 +208,10 @@ class Capture:
         recorded, not run; the torch ops between them run on zeros), each distinct kernel specialisation compiling
         on a thread pool as soon as it is recorded; all done before the warmups, instead of one after another inside
         the first warmups."""
-        from moecg.kernels import triton_ops  # Triton: optional, imported only where the fused step runs on it
+        from moecg.kernels import launch, triton_ops  # Triton: optional, imported only where the fused step runs on it
 
         eng, state = self.engine, state_of(self.engine.model)
-        key = (tuple(order), eng.max_cache_len, self.fast.pdl_mode(), tiles.MOE_TILE_RULES,
+        key = (tuple(order), eng.max_cache_len, self.fast.pdl_mode(), launch.PRELOAD, tiles.MOE_TILE_RULES,
                tiles.GEMV_RULES, state.dispatcher.name)
         done = _PRECOMPILED.setdefault(eng.model, set())
         if key in done:
