@@ -167,6 +167,16 @@ suite_step_variants() {  # the fused step's launch/tile variants against the def
   variant mixtral mixtral_8x7b 8 --batch 1 --variants $D_STEP
   variant qwen15 qwen1_5_moe_a2_7b 24 --batch 1 --variants $D_STEP $D_STEP+up_n=16
 }
+suite_preload() {  # weights loaded before each kernel's PDL wait (the default) against after it (pre=0), alternated, bs 1 and 8
+  bench preload
+  local spec preset layers tag w
+  for spec in "qwen3_30b_a3b 48 qwen3_48_fp8_block fp8_block" "qwen3_30b_a3b 12 qwen3_12 full" \
+              "qwen1_5_moe_a2_7b 24 qwen1_5_24 full" "olmoe_1b_7b 16 olmoe_16 full"; do
+    read -r preset layers tag w <<< "$spec"
+    variant "$tag" "$preset" "$layers" --weights "$w" --batch 1 8 --repeats 3 \
+      --variants $D_STEP+pre=0 $D_STEP $D_STEP+pre=0+pre=0 $D_STEP+pre=1
+  done
+}
 suite_gemv() {  # the qkv / o projections at T 1-16: cuBLAS against the Triton GEMV over a grid of tiles, plain launches
   bench gemv
   t gpu_tests_gemv.log python3 -m pytest -q -m gpu tests -k gemv | tail -3
