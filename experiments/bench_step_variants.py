@@ -17,8 +17,9 @@ Variants (names: `+`-joined switches on top of `base`):
   pdl      programmatic dependent launch for every Triton kernel of the step, each triggering its successor's
            launch at its start (capture.pdl 2); pdl1: each only waits (mode 1: the successor launches as
            its blocks exit)
-  pre=0    every kernel's weight loads after its PDL wait (moecg.kernels.launch.PRELOAD False); by default the GEMV's
-           first K step, norm_route's router rows and the norms' weights load before it, beside the predecessor
+  pre=0    every kernel's weight loads after its PDL wait (capture.preload false); by default the GEMV's first K
+           step, norm_route's router rows, the norms' weights and the MoE down kernel's first tile at batch 1 load
+           before it, beside the predecessor
   nw=N     add_rmsnorm with N warps (moecg.kernels.tiles.norm_warps)
   mb=N     the split attention's merge loading N splits' partial outputs at a time (triton_ops.attn_merge_block)
   as=N     N splits per (row, kv head) context for the decode attention (triton_ops.attn_splits' choice otherwise);
@@ -58,7 +59,7 @@ from moecg.capture import Capture
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
 from moecg.floor import bench_bandwidth_gbps, step_floor_ms
-from moecg.kernels import gemv, launch, tiles as tiles_mod, triton_ops
+from moecg.kernels import gemv, tiles as tiles_mod, triton_ops
 from moecg.models import build_model
 from moecg.models.formats import FORMATS
 from moecg.report import env_fields, write_report
@@ -115,7 +116,6 @@ HEAD_TILES, ROUTER_TILES, MLA_TILES = tiles_mod.head_tiles, tiles_mod.router_til
 
 def set_variant(v: dict) -> None:
     moe, tiles_of = MOE_EXPERTS, MOE_TILES
-    launch.PRELOAD = v.get("pre", True)
     tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
     f = v.get("gemv_tiles")
     tiles_mod.fp8_gemv_tiles = FP8_GEMV_TILES if not f else (
@@ -171,8 +171,8 @@ def time_variant(v, model, adapter, bs, prompts, cache_len, replays, repeats, ba
     attach(model, make_dispatcher("fused"), max_rows=bs)
     try:
         eng = DecodeEngine(model, cache_len, bs, prefill_chunk=prefill_chunk)
-        cap = Capture(eng, "full", buckets=(bs,), kernels="fused", pdl=v["pdl"], overlap_shared=v["overlap"],
-                      fuse_router=v["router"]).apply()
+        cap = Capture(eng, "full", buckets=(bs,), kernels="fused", pdl=v["pdl"], preload=v.get("pre", True),
+                      overlap_shared=v["overlap"], fuse_router=v["router"]).apply()
         eng.generate(prompts, 4, timing=False)  # cache filled to prompt + 4
         with eng.scratch():
             _, logits = eng.step_impl(eng.ids, bs)

@@ -141,7 +141,8 @@ def _capture_kwargs(plan: RunPlan) -> dict:
     c = plan.capture
     return {"buckets": c.buckets, "backend": c.backend, "warmup": c.warmup, "compile": c.compile,
               "compile_mode": c.compile_mode, "kernels": c.kernels, "kernel_backend": c.kernel_backend,
-            "pdl": c.pdl, "overlap_shared": c.overlap_shared, "fuse_router": c.fuse_router, "precompile": c.precompile}
+            "pdl": c.pdl, "preload": c.preload, "overlap_shared": c.overlap_shared, "fuse_router": c.fuse_router,
+            "precompile": c.precompile}
 
 
 def _capture(engine, plan: RunPlan, rows: int, phases: Phases) -> Capture:

@@ -135,6 +135,8 @@ FIELDS: tuple[Field, ...] = (
     _f("capture_buckets", "capture", "per bucket: {capture_s, graph_mem_mib, replays, graphs}"),
     _f("pdl", "capture", "capture.pdl: programmatic dependent launch of the Triton kernels, as configured (auto: mode 2 "
        "on sm90+ where Triton has it, else 0 | 0 | 1 | 2); results equal, launch latency differs"),
+    _f("preload", "capture", "capture.preload as configured: kernels=fused on Triton loads its kernels' constant "
+       "weights before their PDL wait (the same bits; launch overlap differs)"),
     _f("overlap_shared", "capture", "capture.overlap_shared as configured: kernels=fused on CUDA runs a shared expert "
        "on a second stream beside the routed experts"),
     _f("fuse_router", "capture", "capture.fuse_router as configured: kernels=fused runs a bias-free linear router with "

@@ -394,21 +394,23 @@ def test_small_batch_gemv_matches_cublas(T):
 
 @pytest.mark.parametrize("preset,weights", [("qwen3_moe_tiny", "full"), ("qwen2_moe_tiny", "full"),
                                             ("qwen3_moe_tiny", "fp8_block")])
-def test_weights_loaded_before_the_pdl_wait_change_no_bit(monkeypatch, preset, weights):
-    """launch.PRELOAD (the GEMV's first weight tile, norm_route's router rows and the norms' weights loaded before the
-    PDL wait) against loads after it: the captured fused step's tokens and logits are the same bits, at buckets 1
-    (the one-row GEMV) and 8 (tl.dot rows), PDL at its default."""
+def test_weights_loaded_before_the_pdl_wait_change_no_bit(preset, weights):
+    """capture.preload (the GEMVs' first weight tile, norm_route's router rows, the norms' weights and the MoE down
+    kernel's first tile loaded before the PDL wait) against loads after it: the captured fused step's tokens and logits
+    are the same bits, at buckets 1 (the one-row tiles) and 8 (tl.dot rows), PDL at its default; the step sets
+    launch.PRELOAD only while it runs."""
     m = build_model(preset, dtype="bf16", device="cuda", seed=6, weights=weights).model
     prompts = torch.randint(0, m.config.vocab_size, (8, 9), generator=torch.Generator().manual_seed(0))
     outs = []
     for pre in (True, False):
-        monkeypatch.setattr(launch, "PRELOAD", pre)
         attach(m, make_dispatcher("fused"), max_rows=8)
         eng = DecodeEngine(m, 64, 8)
-        cap = Capture(eng, "full", buckets=(1, 8), kernels="fused").apply()
+        cap = Capture(eng, "full", buckets=(1, 8), kernels="fused", preload=pre).apply()
+        assert cap.describe()["preload"] is pre
         outs.append([eng.generate(p, 6, keep_logits=True, timing=False) for p in (prompts[:1], prompts)])
         cap.unwrap()
         detach(m)
+        assert launch.PRELOAD is True  # the module default, untouched outside the step
     for a, b in zip(*outs):
         assert torch.equal(a.tokens, b.tokens)
         assert all(torch.equal(u, v) for u, v in zip(a.logits, b.logits))

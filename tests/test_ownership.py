@@ -168,25 +168,26 @@ def test_knobs_validated_and_recorded():
     model = _model("mixtral_tiny")
     for bad, match in [({"pdl": 3}, "capture.pdl=3"), ({"pdl": True}, "capture.pdl=True"),
                        ({"overlap_shared": "yes"}, "capture.overlap_shared"),
-                       ({"fuse_router": 1}, "capture.fuse_router")]:
+                       ({"fuse_router": 1}, "capture.fuse_router"), ({"preload": "no"}, "capture.preload")]:
         with pytest.raises(ValueError, match=match):
             FastDecode(model, "torch", **bad)
     attach(model, make_dispatcher("fused"), max_rows=2)
     try:
         eng = DecodeEngine(model, LEN, 2)
-        for kw in ({"pdl": 1}, {"overlap_shared": False}, {"fuse_router": False}):
+        for kw in ({"pdl": 1}, {"preload": False}, {"overlap_shared": False}, {"fuse_router": False}):
             with pytest.raises(StrategyError, match="only applies with capture.kernels=fused"):
                 Capture(eng, "full", buckets=(1, 2), backend="emulate", **kw)
         with pytest.raises(StrategyError, match="capture.precompile"):
             Capture(eng, "full", buckets=(1, 2), backend="emulate", precompile="no")
         hf = Capture(eng, "full", buckets=(1, 2), backend="emulate").describe()
-        assert hf == {"pdl": None, "pdl_mode": None, "overlap_shared": None, "fuse_router": None, "precompile": None,
-                      "fused_weight_mib": None}
+        assert hf == {"pdl": None, "pdl_mode": None, "preload": None, "overlap_shared": None, "fuse_router": None,
+                      "precompile": None, "fused_weight_mib": None}
         cap = Capture(eng, "full", buckets=(1, 2), backend="emulate", kernels="fused", kernel_backend="torch", pdl=1,
-                      overlap_shared=False, fuse_router=False, precompile=False)
+                      preload=False, overlap_shared=False, fuse_router=False, precompile=False)
         st = cap.stats()
-        assert {k: st[k] for k in ("pdl", "pdl_mode", "overlap_shared", "fuse_router", "precompile")} == \
-            {"pdl": 1, "pdl_mode": None, "overlap_shared": False, "fuse_router": False, "precompile": False}
+        assert {k: st[k] for k in ("pdl", "pdl_mode", "preload", "overlap_shared", "fuse_router", "precompile")} == \
+            {"pdl": 1, "pdl_mode": None, "preload": False, "overlap_shared": False, "fuse_router": False,
+             "precompile": False}
         assert st["fused_weight_mib"] == cap.fast.owned_bytes / 2**20 > 0
         assert not any(L.norm_route for L in cap.fast.layers)  # fuse_router=False
         assert any(L.norm_route for L in FastDecode(model, "torch").layers)  # Mixtral's lone router, by default

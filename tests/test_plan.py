@@ -242,13 +242,13 @@ def test_capture_knobs_are_typed_recorded_and_passed_to_capture():
     _refused(r"capture\.pdl=3: choose one of auto, 0, 1, 2", "capture.pdl=3")
     _refused(r"capture\.pdl=True: choose one of", "capture.pdl=true")
     _refused(r"capture\.overlap_shared='maybe': must be true or false", "capture.overlap_shared=maybe")
-    for key in ("overlap_shared", "fuse_router", "precompile"):
+    for key in ("preload", "overlap_shared", "fuse_router", "precompile"):
         _refused(rf"capture\.{key}=false only applies with capture\.kernels=fused", f"capture.{key}=false")
     plan = resolve_plan(_cfg("strategy=full", "capture.kernels=fused", "capture.pdl=1", "capture.fuse_router=false",
-                             "capture.precompile=false"))
+                             "capture.precompile=false", "capture.preload=false"))
     c = plan.capture
-    assert (c.pdl, c.overlap_shared, c.fuse_router, c.precompile) == (1, True, False, False)
-    assert c.record() == {"pdl": 1, "overlap_shared": True, "fuse_router": False, "precompile": False}
+    assert (c.pdl, c.preload, c.overlap_shared, c.fuse_router, c.precompile) == (1, False, True, False, False)
+    assert c.record() == {"pdl": 1, "preload": False, "overlap_shared": True, "fuse_router": False, "precompile": False}
     assert resolve_plan(_cfg()).capture.record()["pdl"] == "auto"
     kwargs = _capture_kwargs(plan)
     assert kwargs["kernels"] == "fused" and kwargs["buckets"] == plan.capture.buckets

@@ -186,9 +186,9 @@ def test_capture_precompile_pass_runs_every_bucket_dry(preset, ragged, monkeypat
         assert len(seen) == n and cap2.precompiled["launches"] == 0 and "skipped" in cap2.precompiled
         cap2._precompile([2, 1])
         assert len(seen) > n and cap2.precompiled["launches"] == len(seen) - n
-        # other kernel specialisations (weights loaded after the PDL wait: launch.PRELOAD False) run it again
+        # other kernel specialisations (weights loaded after the PDL wait: capture.preload false) run it again
         n = len(seen)
-        monkeypatch.setattr(launch, "PRELOAD", False)
+        cap2.fast.preload = False
         cap2._precompile([4, 2, 1])
         assert len(seen) > n and "skipped" not in cap2.precompiled
     finally:

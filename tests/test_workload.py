@@ -161,7 +161,7 @@ def test_fixed_workload_results_unchanged(case):
     assert res["workload"] == "fixed" and all(res[f] is None for f in schema.SERVING)
     new = set(schema.NAMES) - set(want) - set(golden["volatile"])
     ep_fields = {"ep", "ep_backend", "exchange_floor_ms", "nvlink_bandwidth_gbps"}  # expert parallelism
-    knobs = {"pdl", "overlap_shared", "fuse_router", "precompile"}  # capture.*, recorded since they became config
+    knobs = {"pdl", "preload", "overlap_shared", "fuse_router", "precompile"}  # capture.*, recorded as config
     knobs.add("warmup")  # the eager runs before each capture, recorded since capture.warmup=auto picks them
     kv = {"kv_bytes_per_token"}  # the KV cache's bytes per token, recorded since the floor prices MLA's latent cache
     fmt = {"weights", "weight_bytes"}  # the weight format and its bytes, recorded since there are formats
@@ -169,7 +169,8 @@ def test_fixed_workload_results_unchanged(case):
                    *fmt}, "a field was added outside the serving and EP groups, prefill_chunk, attn_implementation, " \
         "the capture knobs, kv_bytes_per_token and the weight format"
     assert res["weights"] == "full" and res["weight_bytes"] > 0  # as built: today's path
-    assert (res["pdl"], res["overlap_shared"], res["fuse_router"], res["precompile"]) == ("auto", True, True, True)
+    assert (res["pdl"], res["preload"], res["overlap_shared"], res["fuse_router"], res["precompile"]) == \
+        ("auto", True, True, True, True)
     assert res["attn_implementation"] == "sdpa"
     assert res["warmup"] == (None if not res["captured"] and res["capture_backend"] == "none" else 3)  # HF modules
     assert res["ep"] == 1 and all(res[f] is None for f in ep_fields - {"ep"})  # one process: today's path

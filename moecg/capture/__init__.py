@@ -29,8 +29,8 @@ __all__ = ["Capture", "CaptureError", "STRATEGIES", "StrategyError", "StrategySp
 
 # model -> the keys (buckets, cache slots, PDL mode, weight preloads, tile tables, dispatcher) whose fused-step dry
 # pass ran in this process: a second Capture of the same step (a sweep's next configuration, capture_time.py
-# --recapture) skips it, every kernel being in memory already; anything new (other tiles passed in) still compiles, inside the first warmup
-# that launches it
+# --recapture) skips it, every kernel being in memory already; anything new (other tiles passed in) still compiles,
+# inside the first warmup that launches it
 _PRECOMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 # capture.warmup=auto: eager runs before each capture. HF's modules (and a fused step not precompiled) get 3, for
@@ -56,7 +56,8 @@ class CaptureError(RuntimeError):
 class Capture:
     """A capture strategy applied to a decode engine (its step policy while applied).
 
-    kernels=fused: decode steps run moecg.fast.FastDecode(model, kernel_backend, pdl=, overlap_shared=, fuse_router=),
+    kernels=fused: decode steps run moecg.fast.FastDecode(model, kernel_backend, pdl=, preload=, overlap_shared=,
+    fuse_router=),
     whose knobs these are (FastDecode says what each does); with kernels=hf they must keep their defaults.
     precompile: kernels=fused on Triton: compile the step's kernels for every bucket on a thread pool before the first
     warmup (_precompile); False: each compiles inside the first warmup that launches it (benchmarks compare the two).
@@ -66,7 +67,7 @@ class Capture:
     def __init__(self, engine, strategy: str = "eager", *, layers: str | None = None, buckets=DEFAULT_BUCKETS,
                  backend: str = "auto", warmup: int | str = "auto", compile: bool = False,
                  compile_mode: str = "default", kernels: str = "hf", kernel_backend: str = "auto",
-                 pdl: int | None = None, overlap_shared: bool = True, fuse_router: bool = True,
+                 pdl: int | None = None, preload: bool = True, overlap_shared: bool = True, fuse_router: bool = True,
                  precompile: bool = True):
         self.engine = engine
         model = engine.model
@@ -101,11 +102,11 @@ class Capture:
         self.fast = None
         if kernels == "fused":
             # checks the model (and the knobs) first, before any CUDA work
-            self.fast = FastDecode(model, kernel_backend, pdl=pdl, overlap_shared=overlap_shared,
+            self.fast = FastDecode(model, kernel_backend, pdl=pdl, preload=preload, overlap_shared=overlap_shared,
                                    fuse_router=fuse_router)
         else:
-            for name, v, default in (("pdl", pdl, None), ("overlap_shared", overlap_shared, True),
-                                     ("fuse_router", fuse_router, True)):
+            for name, v, default in (("pdl", pdl, None), ("preload", preload, True),
+                                     ("overlap_shared", overlap_shared, True), ("fuse_router", fuse_router, True)):
                 if v is not default:
                     raise StrategyError(f"capture.{name}={v!r} only applies with capture.kernels=fused (a knob of the "
                                         f"fused step); leave it at its default ({default!r}) with capture.kernels=hf")
@@ -208,10 +209,10 @@ class Capture:
         recorded, not run; the torch ops between them run on zeros), each distinct kernel specialisation compiling
         on a thread pool as soon as it is recorded; all done before the warmups, instead of one after another inside
         the first warmups."""
-        from moecg.kernels import launch, triton_ops  # Triton: optional, imported only where the fused step runs on it
+        from moecg.kernels import triton_ops  # Triton: optional, imported only where the fused step runs on it
 
         eng, state = self.engine, state_of(self.engine.model)
-        key = (tuple(order), eng.max_cache_len, self.fast.pdl_mode(), launch.PRELOAD, tiles.MOE_TILE_RULES,
+        key = (tuple(order), eng.max_cache_len, self.fast.pdl_mode(), self.fast.preload, tiles.MOE_TILE_RULES,
                tiles.GEMV_RULES, state.dispatcher.name)
         done = _PRECOMPILED.setdefault(eng.model, set())
         if key in done:
@@ -272,8 +273,8 @@ class Capture:
     def describe(self) -> dict:
         """The knobs of this capture that change what runs (null where they do not apply: kernels=hf)."""
         fast = self.fast.describe() if self.fast is not None else {}
-        return {"pdl": fast.get("pdl"), "pdl_mode": fast.get("pdl_mode"), "overlap_shared": fast.get("overlap_shared"),
-                "fuse_router": fast.get("fuse_router"),
+        return {"pdl": fast.get("pdl"), "pdl_mode": fast.get("pdl_mode"), "preload": fast.get("preload"),
+                "overlap_shared": fast.get("overlap_shared"), "fuse_router": fast.get("fuse_router"),
                 "precompile": self.precompile if self.fast is not None else None,
                 "fused_weight_mib": fast.get("fused_weight_mib")}
 

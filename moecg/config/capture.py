@@ -1,10 +1,10 @@
 """`capture.*`: how decode steps are captured and which kernels run them, checked against the strategy and device.
 
-The last four keys change measured numbers and are written to results.json: `pdl` (programmatic dependent launch
-of every Triton kernel moecg launches: the fused step's and the Triton MoE dispatchers'), and three switches of the
-fused step (capture.kernels=fused, refused without it): `overlap_shared` (the shared expert on a second CUDA stream),
-`fuse_router` (residual add + norm + router as one kernel), `precompile` (its Triton kernels compiled on a thread
-pool before the first warmup).
+The last five keys change measured numbers and are written to results.json: `pdl` (programmatic dependent launch
+of every Triton kernel moecg launches: the fused step's and the Triton MoE dispatchers'), and four switches of the
+fused step (capture.kernels=fused, refused without it): `preload` (its kernels' constant weights loaded before their
+PDL wait), `overlap_shared` (the shared expert on a second CUDA stream), `fuse_router` (residual add + norm + router
+as one kernel), `precompile` (its Triton kernels compiled on a thread pool before the first warmup).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from moecg.config.readers import PlanError, as_bool, as_choice, as_int
 BACKENDS = ("auto", "cuda", "emulate", "none")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 PDL_MODES = ("auto", 0, 1, 2)
-FUSED_ONLY = ("overlap_shared", "fuse_router", "precompile")  # switches of the fused step: refused off it
+FUSED_ONLY = ("preload", "overlap_shared", "fuse_router", "precompile")  # switches of the fused step: refused off it
 
 
 @dataclass
@@ -38,6 +38,9 @@ class CaptureConfig:
     # programmatic dependent launch of the Triton kernels: auto (2 on sm90+ where Triton has it, else 0) | 0 off |
     # 1 wait only (the next kernel launches as this one's blocks exit) | 2 also trigger the next launch at once
     pdl: Any = "auto"
+    # kernels=fused on Triton: constant weights (GEMVs' first K step, router rows, norms, the MoE down kernel's first
+    # tile at batch 1) loaded before each kernel's PDL wait, beside the kernel before it; the same bits either way
+    preload: Any = True
     overlap_shared: Any = True  # kernels=fused on CUDA: the shared expert on a second stream beside the routed experts
     # kernels=fused: a bias-free linear router runs with the residual add and norm as one kernel
     fuse_router: Any = True
@@ -94,11 +97,12 @@ class CapturePlan:
     kernels: str  # hf | fused
     kernel_backend: str
     pdl: int | None  # None: auto
+    preload: bool
     overlap_shared: bool
     fuse_router: bool
     precompile: bool
 
     def record(self) -> dict:
         """The knobs results.json records (the other capture fields come from Capture.stats(): what took effect)."""
-        return {"pdl": "auto" if self.pdl is None else self.pdl, "overlap_shared": self.overlap_shared,
-                "fuse_router": self.fuse_router, "precompile": self.precompile}
+        return {"pdl": "auto" if self.pdl is None else self.pdl, "preload": self.preload,
+                "overlap_shared": self.overlap_shared, "fuse_router": self.fuse_router, "precompile": self.precompile}

@@ -57,22 +57,24 @@ __all__ = ["FUSED_FEATURES", "FUSED_ROUTER_KINDS", "FastDecode", "FastPathError"
 
 
 @contextmanager
-def _pdl_mode(mode: int | None):
-    """Launch the Triton kernels that run inside with PDL mode `mode` (None: leave the launch default as it is).
+def _launch_knobs(mode: int | None, preload: bool | None = None):
+    """Launch the Triton kernels that run inside with PDL mode `mode` (None: leave the launch default as it is) and,
+    unless None, weight preloads `preload` (moecg.kernels.launch.PRELOAD).
 
-    The launch helpers read the mode from a module attribute at launch time (graph capture records it); it is set for
-    the duration only, so the attribute keeps its default (None: auto) outside."""
-    if mode is None:
+    The launch helpers read both from module attributes at launch time (graph capture records them); they are set for
+    the duration only, so the attributes keep their defaults (None: auto; True) outside."""
+    if mode is None and preload is None:
         yield
         return
-    from moecg.kernels import launch  # triton: optional; the module whose PDL the launches read
+    from moecg.kernels import launch  # triton: optional; the module whose PDL and PRELOAD the launches read
 
-    prev = launch.PDL
-    launch.PDL = mode
+    prev = launch.PDL, launch.PRELOAD
+    launch.PDL = launch.PDL if mode is None else mode
+    launch.PRELOAD = launch.PRELOAD if preload is None else preload
     try:
         yield
     finally:
-        launch.PDL = prev
+        launch.PDL, launch.PRELOAD = prev
 
 
 def check_supported(model) -> None:
@@ -103,6 +105,9 @@ class FastDecode:
     pdl: the Triton kernels' programmatic dependent launch mode (Hopper+): None the launch default (auto: mode 2
       where the device and Triton support it, else 0), 0 off, 1 each kernel waits for its predecessor, 2 also
       triggers its successor's launch at its start. Results are the same in every mode; only launch overlap changes.
+    preload: the Triton kernels load their constant weights (the GEMVs' first K step, the router's rows, the norms'
+      weights, the MoE down kernel's first tile at batch 1) before their PDL wait, beside the kernel before them
+      (moecg.kernels.launch.PRELOAD); False: after it. Results are the same bits either way.
     overlap_shared: on CUDA the shared expert (silu-mul + down GEMM) runs on a second stream beside the routed
       experts, joined before the combine: at small batches neither fills the GPU alone (same kernels, same numbers).
     fuse_router: a router that is its own bias-free linear (softmax_topk, power-of-two k, no shared expert beside
@@ -113,14 +118,14 @@ class FastDecode:
     per_row_positions = True
 
     def __init__(self, model, kernel_backend: str = "auto", *, pdl: int | None = None, overlap_shared: bool = True,
-                 fuse_router: bool = True):
+                 fuse_router: bool = True, preload: bool = True):
         if not (pdl is None or (type(pdl) is int and pdl in PDL_MODES)):
             raise ValueError(f"capture.pdl={pdl!r}: must be null (auto), 0 (off), 1 (wait only) or 2 (wait and "
                              "trigger the next launch)")
-        for name, v in (("overlap_shared", overlap_shared), ("fuse_router", fuse_router)):
+        for name, v in (("overlap_shared", overlap_shared), ("fuse_router", fuse_router), ("preload", preload)):
             if not isinstance(v, bool):
                 raise ValueError(f"capture.{name}={v!r}: must be true or false")
-        self.pdl, self.overlap_shared, self.fuse_router = pdl, overlap_shared, fuse_router
+        self.pdl, self.overlap_shared, self.fuse_router, self.preload = pdl, overlap_shared, fuse_router, preload
         check_supported(model)
 
         self.model = model
@@ -152,14 +157,15 @@ class FastDecode:
         """The PDL mode this step's Triton kernels launch with (None: it runs no Triton kernels)."""
         if self.backend != "triton":
             return None
-        with _pdl_mode(self.pdl):
+        with _launch_knobs(self.pdl):
             from moecg.kernels import triton_ops  # triton: optional (this backend has it)
 
             return triton_ops.pdl_mode(self.device)
 
     def describe(self) -> dict:
         """The knobs that change what this step runs, for the results record."""
-        return {"pdl": self.pdl, "pdl_mode": self.pdl_mode(), "overlap_shared": self.overlap_shared,
+        return {"pdl": self.pdl, "pdl_mode": self.pdl_mode(), "preload": self.preload,
+                "overlap_shared": self.overlap_shared,
                 "fuse_router": self.fuse_router, "fused_weight_mib": self.owned_bytes / 2**20}
 
     def _side_stream(self):
@@ -223,7 +229,7 @@ class FastDecode:
     # -- the step --------------------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, input_ids, cache, use_cache: bool = True, logits_to_keep: int = 1, **_):
-        with _pdl_mode(self.pdl):
+        with _launch_knobs(self.pdl, self.preload if self.backend == "triton" else None):
             return self._step(input_ids, cache)
 
     def _step(self, input_ids, cache):

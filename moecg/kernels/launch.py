@@ -35,7 +35,7 @@ PDL: int | None = None
 # PRELOAD: a kernel that reads constant weights (the GEMV's first K step, norm_route's router rows, a norm's weight,
 # the dropless MoE down kernel's first K step of its expert, which the router kernel two launches back chose) issues
 # those loads before its PDL wait, so they run while its predecessor does; results are unchanged (no kernel writes
-# weights). Benchmarks set False to measure what it buys.
+# weights). The fused step sets it from capture.preload while it runs (FastDecode(preload=)); True outside.
 PRELOAD: bool = True
 
 
