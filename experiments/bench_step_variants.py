@@ -72,7 +72,8 @@ GEMV_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.GemvTiles) if f
 
 def parse_variant(name: str) -> dict:
     parts = [p for p in name.split("+") if p != "base"]
-    v = {"slot": False, "overlap": False, "router": False, "gemv": False, "gemv1": False, "pdl": 0, "split": 1}
+    v = {"slot": False, "overlap": False, "router": False, "gemv": False, "gemv1": False, "pdl": 0, "split": 1,
+         "pre": True}
     for p in parts:
         if p in SWITCHES:
             v[p] = True
@@ -80,7 +81,7 @@ def parse_variant(name: str) -> dict:
             v["pdl"] = 1 if p == "pdl1" else 2
         elif p.startswith("split") and p[5:].isdigit():
             v["split"] = int(p[5:])
-        elif p in ("pre=0", "pre=1"):  # weight loads before the PDL wait (launch.PRELOAD)
+        elif p in ("pre=0", "pre=1"):  # weight loads before the PDL wait (capture.preload)
             v["pre"] = p == "pre=1"
         elif p.startswith("nw=") and p[3:].isdigit():  # add_rmsnorm's warps (tiles.norm_warps)
             v["nw"] = int(p[3:])
@@ -171,7 +172,7 @@ def time_variant(v, model, adapter, bs, prompts, cache_len, replays, repeats, ba
     attach(model, make_dispatcher("fused"), max_rows=bs)
     try:
         eng = DecodeEngine(model, cache_len, bs, prefill_chunk=prefill_chunk)
-        cap = Capture(eng, "full", buckets=(bs,), kernels="fused", pdl=v["pdl"], preload=v.get("pre", True),
+        cap = Capture(eng, "full", buckets=(bs,), kernels="fused", pdl=v["pdl"], preload=v["pre"],
                       overlap_shared=v["overlap"], fuse_router=v["router"]).apply()
         eng.generate(prompts, 4, timing=False)  # cache filled to prompt + 4
         with eng.scratch():

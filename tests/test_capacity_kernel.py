@@ -209,6 +209,36 @@ def test_fused_step_on_every_family_under_interpreter():
     _interp("families")
 
 
+# argument types of the kernels compiled for sm_90 below (pointers not named here: *bf16; integers: i32)
+SM90_TYPES = dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", keep_ptr="*i8", slot_ptr="*i32", nk_ptr="*i32",
+                  cnt_ptr="*i64", drop_ptr="*i64", mass_ptr="*fp32", dmass_ptr="*fp32", cap_ptr="*i64",
+                  calls_ptr="*i64", tok_ptr="*i64", lost_ptr="*i64", alpha="fp32", limit="fp32", cf_bits="i64",
+                  part_ptr="*fp32", sem_ptr="*i32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", pos_ptr="*i64",
+                  scaling="fp32", lg_ptr="*fp32", b_ptr="*fp32", tw_ptr="*bf16", eps="fp32", res_ptr="*bf16",
+                  sg_ptr="*bf16")
+
+
+def compile_sm90(fn, consts: dict, stages: int = 4, **ptr_types):
+    """fn compiled for sm_90 with Triton's bundled ptxas (constexprs `consts`, the other arguments typed by
+    SM90_TYPES and ptr_types); skips the test where this Triton build has no ptxas."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    tys = {**SM90_TYPES, **ptr_types}
+    sig = {n: "constexpr" if n in consts else tys.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+           for n in inspect.signature(fn.fn).parameters}
+    try:
+        return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": stages})
+    except (FileNotFoundError, RuntimeError) as e:  # no ptxas with this Triton build
+        if "ptxas" in str(e):
+            pytest.skip(f"no ptxas: {e}")
+        raise
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -218,16 +248,8 @@ def test_kernels_compile_for_hopper():
     import inspect
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from moecg.kernels import attention, capacity as cap, gemv, mla, moe, norm_rope, routers
-
-    types = dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", keep_ptr="*i8", slot_ptr="*i32", nk_ptr="*i32",
-                 cnt_ptr="*i64", drop_ptr="*i64", mass_ptr="*fp32", dmass_ptr="*fp32", cap_ptr="*i64",
-                 calls_ptr="*i64", tok_ptr="*i64", lost_ptr="*i64", alpha="fp32", limit="fp32", cf_bits="i64",
-                 part_ptr="*fp32", sem_ptr="*i32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", pos_ptr="*i64",
-                 scaling="fp32", lg_ptr="*fp32", b_ptr="*fp32", tw_ptr="*bf16", eps="fp32", res_ptr="*bf16", sg_ptr="*bf16")
 
     def build(fn, consts, stages=4, **ptr_types):
         params = inspect.signature(fn.fn).parameters
@@ -235,16 +257,7 @@ def test_kernels_compile_for_hopper():
         consts = {**({"PRELOAD": 1} if "PRELOAD" in params else {}), **consts}  # weights before the wait, as launched
         if fn in (gemv._gemv_kernel, routers._norm_route_kernel):  # unsplit, one partial row, unless asked
             consts = {**{q: 1 for q in ("SPLIT", "KK") if q in params}, **consts}
-        tys = {**types, **ptr_types}
-        sig = {n: "constexpr" if n in consts else tys.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in params}
-        try:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": 4, "num_stages": stages})
-        except (FileNotFoundError, RuntimeError) as e:  # no ptxas with this Triton build
-            if "ptxas" in str(e):
-                pytest.skip(f"no ptxas: {e}")
-            raise
-        assert k.asm["cubin"]
+        assert compile_sm90(fn, consts, stages, **ptr_types).asm["cubin"]
 
     for pos, K in ((False, 8), (True, 2)):
         build(cap._cap_slots_kernel, dict(K=K, KP=K, POSITION=pos, HAS_VALID=True, COUNT=True, COUNT_CAP=True,
@@ -317,14 +330,10 @@ def test_weights_load_before_the_pdl_wait():
     """PRELOAD: in the sm_90 machine code of the GEMV (bf16 and block-FP8, one row and tl.dot rows), norm_route,
     add_rmsnorm and the dropless MoE down kernel, loads (LDG) come before the PDL wait (griddepcontrol.wait, ACQBULK in
     SASS); without it none does, so the flag decides where the compiler puts them."""
-    import inspect
     import os
-    import subprocess
     import tempfile
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from moecg.kernels import gemv, moe, norm_rope, routers
 
@@ -333,16 +342,7 @@ def test_weights_load_before_the_pdl_wait():
         pytest.skip("no nvdisasm in this Triton build")
 
     def loads_before_wait(fn, consts, **tys):
-        params = inspect.signature(fn.fn).parameters
-        sig = {n: "constexpr" if n in consts else tys.get(n, "*bf16" if n.endswith("_ptr") else
-                                                            "fp32" if n == "eps" else "i32") for n in params}
-        try:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": 4, "num_stages": 2})
-        except (FileNotFoundError, RuntimeError) as e:  # no ptxas with this Triton build
-            if "ptxas" in str(e):
-                pytest.skip(f"no ptxas: {e}")
-            raise
+        k = compile_sm90(fn, consts, stages=2, **tys)
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "k.cubin")
             with open(path, "wb") as f:
@@ -358,19 +358,17 @@ def test_weights_load_before_the_pdl_wait():
              (gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=1, BLOCK_N=4, BLOCK_K=2048, QROWS=128, SPLIT=1), fp8),
              (gemv._gemv_kernel, dict(HAS_BIAS=True, BLOCK_T=16, BLOCK_N=16, BLOCK_K=512, QROWS=0, SPLIT=4), {}),
              (routers._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=False, CAST_LAST=False, BLOCK_D=2048,
-                                               BLOCK_E=8, BLOCK_EP=128, KK=1),
-              dict(lg_ptr="*fp32", sem_ptr="*i32", idx_ptr="*i64")),
+                                               BLOCK_E=8, BLOCK_EP=128, KK=1), {}),
              (norm_rope._add_rmsnorm_kernel, dict(KK=8, HAS_RES=True, HAS_SHARED=False, HAS_SGATE=False,
-                                                  HAS_VALID=False, CAST_LAST=False, BLOCK_D=2048), dict(y_ptr="*fp32"))]
-    down = dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", part_ptr="*fp32", sem_ptr="*i32")
+                                                  HAS_VALID=False, CAST_LAST=False, BLOCK_D=2048), {})]
     for split, q in ((1, 128), (2, 0)):  # the dropless down kernel on one-row tiles (block-FP8 and bf16)
         cases.append((moe._moe_down_kernel, dict(K=8, HAS_VALID=True, HAS_BIAS=False, SPLIT=split, BLOCK_M=1,
                                                  BLOCK_N=16, BLOCK_K=256, BLOCK_S=64, QROWS=q, MX=0),
-                      dict(down, **(fp8 if q else {}))))
+                      fp8 if q else {}))
     for fn, consts, tys in cases:
         assert loads_before_wait(fn, {**consts, "USE_PDL": 2, "PRELOAD": 1}, **tys) > 0, (fn, consts)
         assert loads_before_wait(fn, {**consts, "USE_PDL": 2, "PRELOAD": 0}, **tys) == 0, (fn, consts)
     # its tl.dot tiles (16 rows) never preload: block-FP8 ones measured slower with it
     assert loads_before_wait(moe._moe_down_kernel, dict(K=8, HAS_VALID=True, HAS_BIAS=False, SPLIT=1, BLOCK_M=16,
                                                         BLOCK_N=16, BLOCK_K=256, BLOCK_S=64, QROWS=128, MX=0,
-                                                        USE_PDL=2, PRELOAD=1), **down, **fp8) == 0
+                                                        USE_PDL=2, PRELOAD=1), **fp8) == 0

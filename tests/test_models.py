@@ -156,7 +156,8 @@ def test_another_transformers_release_is_refused(monkeypatch):
     check_transformers()  # the installed one
     check_transformers(TRANSFORMERS_RELEASE + ".3")
     for v in ("5.17.0", "5.2.4", "4.57.1", "6.24.0"):
-        with pytest.raises(RuntimeError, match=rf"transformers {v} is installed.*pip install 'transformers==5\.24\.\*'"):
+        with pytest.raises(RuntimeError,
+                           match=rf"transformers {v} is installed.*pip install 'transformers==5\.24\.\*'"):
             check_transformers(v)
     model = build_model("mixtral_tiny", dtype="fp32", device="cpu").model
     monkeypatch.setattr(moecg.models.transformers, "__version__", "5.17.0")  # the module object moecg reads

@@ -105,11 +105,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
         k_lo = 0
         k_hi = K
     nm = n < N
-    if PRELOAD:  # the first K step's weights (no kernel writes them) load while the predecessor runs (PDL)
-        w = _w_tile(w_ptr, n, nm, k_lo, k_hi, s_wn, s_wk, BLOCK_K)
-    pdl_enter(USE_PDL)
-    if not PRELOAD:
-        w = _w_tile(w_ptr, n, nm, k_lo, k_hi, s_wn, s_wk, BLOCK_K)
+    # the PDL wait before the first K step's weights, or with PRELOAD after them (no kernel writes weights: they then
+    # load while the predecessor runs); one of the two calls waits, the other is mode 0 (nothing)
+    pdl_enter(USE_PDL * (1 - PRELOAD))
+    w = _w_tile(w_ptr, n, nm, k_lo, k_hi, s_wn, s_wk, BLOCK_K)
+    pdl_enter(USE_PDL * PRELOAD)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     DOT: tl.constexpr = BLOCK_T >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)

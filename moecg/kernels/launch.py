@@ -79,7 +79,8 @@ def pdl_args(device, trigger: bool = True, preload: bool = False) -> dict:
     preload: the kernel takes PRELOAD (its weight loads before the wait), set from the module's PRELOAD."""
     mode = pdl_mode(device)
     mode = min(mode, 1) if not trigger else mode
-    return {"USE_PDL": mode, **({"launch_pdl": True} if mode else {}), **({"PRELOAD": int(PRELOAD)} if preload else {})}
+    return {"USE_PDL": mode, **({"launch_pdl": True} if mode else {}),
+            **({"PRELOAD": int(PRELOAD)} if preload else {})}
 
 
 @triton.jit

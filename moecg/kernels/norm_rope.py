@@ -29,11 +29,10 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
-    if PRELOAD:  # the norm weight (no kernel writes it) loads while the predecessor runs (PDL)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    pdl_enter(USE_PDL)
-    if not PRELOAD:
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    # the PDL wait before the norm weight, or with PRELOAD after it (as moecg.kernels.gemv's kernel does)
+    pdl_enter(USE_PDL * (1 - PRELOAD))
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL * PRELOAD)
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for k in tl.static_range(KK):

@@ -112,13 +112,11 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
     km = kk < D
     e = nb * BLOCK_E + tl.arange(0, BLOCK_E)
     em = e < E
-    if PRELOAD:  # the router rows and the norm weight (no kernel writes them) load while the predecessor runs (PDL)
-        wr = tl.load(rw_ptr + e[:, None] * s_rwe + kk[None, :], mask=em[:, None] & km[None, :], other=0.0)
-        nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
-    pdl_enter(USE_PDL)
-    if not PRELOAD:
-        wr = tl.load(rw_ptr + e[:, None] * s_rwe + kk[None, :], mask=em[:, None] & km[None, :], other=0.0)
-        nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+    # the PDL wait before the router rows and the norm weight, or with PRELOAD after them (as gemv's kernel does)
+    pdl_enter(USE_PDL * (1 - PRELOAD))
+    wr = tl.load(rw_ptr + e[:, None] * s_rwe + kk[None, :], mask=em[:, None] & km[None, :], other=0.0)
+    nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL * PRELOAD)
     a = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(KK):  # the projection's split-K partial rows (one: its output), added in order
         a += tl.load(a_ptr + t * s_at + j * s_ak + kk, mask=km, other=0.0).to(tl.float32)

@@ -16,7 +16,8 @@ from moecg.models.weights import dequantize_model, mark_quantized, quantize_laye
 from moecg.models.zoo import FAMILIES, PRESETS, family_of_config, make_config
 
 __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "TRANSFORMERS_RELEASE", "FamilyAdapter", "adapter_for",
-           "apply_router_skew", "check_transformers", "remove_router_skew", "build_model", "make_config", "resolve_dtype", "resolve_device", "BuiltModel"]
+           "apply_router_skew", "check_transformers", "remove_router_skew", "build_model", "make_config",
+           "resolve_dtype", "resolve_device", "BuiltModel"]
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
