@@ -86,8 +86,8 @@ def parse_variant(name: str) -> dict:
             v["split"] = int(p[5:])
         elif p in ("pre=0", "pre=1"):  # weight loads before the PDL wait (capture.preload)
             v["pre"] = p == "pre=1"
-        elif p.startswith("pf=") and p[3:].isdigit():  # L2 prefetch, KiB a program (moecg.kernels.launch.PREFETCH)
-            v["pf"] = int(p[3:])
+        elif p[:3] in ("pf=", "pl=") and p[3:].isdigit():  # L2 prefetch, KiB a program (launch.PREFETCH); pl: lines
+            v["pf"], v["pl"] = int(p[3:]), p.startswith("pl")
         elif p.startswith("nw=") and p[3:].isdigit():  # add_rmsnorm's warps (tiles.norm_warps)
             v["nw"] = int(p[3:])
         elif p.startswith("ok=") and p[3:].isdigit():  # the o projection's split-K
@@ -122,7 +122,7 @@ HEAD_TILES, ROUTER_TILES, MLA_TILES = tiles_mod.head_tiles, tiles_mod.router_til
 
 def set_variant(v: dict) -> None:
     moe, tiles_of = MOE_EXPERTS, MOE_TILES
-    launch.PREFETCH = v.get("pf", 0) * 1024
+    launch.PREFETCH, launch.PREFETCH_LINES = v.get("pf", 0) * 1024, v.get("pl", False)
     tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
     f = v.get("gemv_tiles")
     tiles_mod.fp8_gemv_tiles = FP8_GEMV_TILES if not f else (

@@ -30,7 +30,7 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
     t = tl.program_id(0)
     if PF:  # programs past the rows: an L2 prefetch of the next kernel's weight, no wait, no result
         if t >= T:
-            l2_prefetch(pf_ptr, pf_bytes, t - T, tl.num_programs(0) - T, 32)
+            l2_prefetch(pf_ptr, pf_bytes, t - T, tl.num_programs(0) - T, 32, 256 * (PF == 2))
             return
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
@@ -104,7 +104,8 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, q_ptr, 
     if PF:  # programs past the heads: an L2 prefetch of the next kernel's weight, no wait, no result
         npf = tl.num_programs(1) - (HQ + 2 * HKV)
         if h >= HQ + 2 * HKV:
-            l2_prefetch(pf_ptr, pf_bytes, t * npf + h - (HQ + 2 * HKV), tl.num_programs(0) * npf, 32)
+            l2_prefetch(pf_ptr, pf_bytes, t * npf + h - (HQ + 2 * HKV), tl.num_programs(0) * npf, 32,
+                        256 * (PF == 2))
             return
     pdl_enter(USE_PDL)
     d = tl.arange(0, DH)
