@@ -20,9 +20,6 @@ Variants (names: `+`-joined switches on top of `base`):
   pre=0    every kernel's weight loads after its PDL wait (capture.preload false); by default the GEMV's first K
            step, norm_route's router rows, the norms' weights and the MoE down kernel's first tile at batch 1 load
            before it, beside the predecessor
-  pf=N     rope_cache and add_rmsnorm bring the next projection's weight into L2 (the o projection's; the next
-           layer's qkv, or the router / shared expert GEMM's) from extra programs, N KiB a program, before their PDL
-           wait (moecg.kernels.launch.PREFETCH); the same bits
   nw=N     add_rmsnorm with N warps (moecg.kernels.tiles.norm_warps)
   mb=N     the split attention's merge loading N splits' partial outputs at a time (triton_ops.attn_merge_block)
   as=N     N splits per (row, kv head) context for the decode attention (triton_ops.attn_splits' choice otherwise);
@@ -62,7 +59,7 @@ from moecg.capture import Capture
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
 from moecg.floor import bench_bandwidth_gbps, step_floor_ms
-from moecg.kernels import gemv, launch, tiles as tiles_mod, triton_ops
+from moecg.kernels import gemv, tiles as tiles_mod, triton_ops
 from moecg.models import build_model
 from moecg.models.formats import FORMATS
 from moecg.report import env_fields, write_report
@@ -86,8 +83,6 @@ def parse_variant(name: str) -> dict:
             v["split"] = int(p[5:])
         elif p in ("pre=0", "pre=1"):  # weight loads before the PDL wait (capture.preload)
             v["pre"] = p == "pre=1"
-        elif p[:3] in ("pf=", "pl=") and p[3:].isdigit():  # L2 prefetch, KiB a program (launch.PREFETCH); pl: lines
-            v["pf"], v["pl"] = int(p[3:]), p.startswith("pl")
         elif p.startswith("nw=") and p[3:].isdigit():  # add_rmsnorm's warps (tiles.norm_warps)
             v["nw"] = int(p[3:])
         elif p.startswith("ok=") and p[3:].isdigit():  # the o projection's split-K
@@ -107,7 +102,7 @@ def parse_variant(name: str) -> dict:
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, pre=0, pf=N, nw=N, mb=N, as=N, am=N, "
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, pre=0, nw=N, mb=N, as=N, am=N, "
                              "ls=N, lm=N, lt=0, ok=N, F=N, g.F=N, gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
     return v
 
@@ -122,7 +117,6 @@ HEAD_TILES, ROUTER_TILES, MLA_TILES = tiles_mod.head_tiles, tiles_mod.router_til
 
 def set_variant(v: dict) -> None:
     moe, tiles_of = MOE_EXPERTS, MOE_TILES
-    launch.PREFETCH, launch.PREFETCH_LINES = v.get("pf", 0) * 1024, v.get("pl", False)
     tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
     f = v.get("gemv_tiles")
     tiles_mod.fp8_gemv_tiles = FP8_GEMV_TILES if not f else (

@@ -248,7 +248,7 @@ class FastDecode:
         cl = self.cast_last
         x = F.embedding(input_ids[:, 0], self.embed)  # [T, D]
         res, h = ops.add_rmsnorm(x[:, None], None, self.layers[0].in_w, self.layers[0].in_eps, cast_last=cl,
-                                 out_dtype=self.dtype, prefetch=self.layers[0].wqkv)
+                                 out_dtype=self.dtype)
         slot = 0
         n = len(self.layers)
         for i, L in enumerate(self.layers):
@@ -259,26 +259,23 @@ class FastDecode:
             else:
                 qkv = ops.linear(h, L.wqkv, L.bqkv)  # [T, (Hq+2Hkv)*Dh]
                 q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
-                                   L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip,
-                                   prefetch=L.wo)  # [T, Hq, Dh]
+                                   L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
                 o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
                                     sinks=L.sinks, eager=self.eager_attn)  # [T, Hq*Dh]
             a = ops.linear_partials(o, L.wo, L.bo)  # [T, S, D]: S split-K partial rows, or the output (S = 1)
             if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel
                 res, h, idx, w = ops.norm_route(a, res, L.post_w, L.post_eps, L.wcat[: L.n_experts], L.top_k,
                                                 L.norm_topk, L.route_dtype, router_logit_bias(L.router), cast_last=cl)
-            else:  # (the next GEMM's weight into L2 beside it: router + shared expert, or the dense MLP's gate/up)
-                res, h = ops.add_rmsnorm(a, res, L.post_w, L.post_eps, cast_last=cl,
-                                         prefetch=L.wcat)
+            else:
+                res, h = ops.add_rmsnorm(a, res, L.post_w, L.post_eps, cast_last=cl)
             nw, neps = (self.layers[i + 1].in_w, self.layers[i + 1].in_eps) if i + 1 < n else (self.norm_w,
                                                                                                self.norm_eps)
-            nqkv = self.layers[i + 1].wqkv if i + 1 < n else None  # the next layer's first weight (None: MLA, head)
             if L.experts is None:
                 if L.mlp is not None:
                     y = self.adapter.moe_output(L.mlp(h))  # [T, D]
                 else:
                     y = ops.linear(ops.silu_mul(ops.linear(h, L.wcat), L.shared_inter), L.w_sdown)  # [T, D]
-                res, h = ops.add_rmsnorm(y[:, None], res, nw, neps, cast_last=cl, prefetch=nqkv)
+                res, h = ops.add_rmsnorm(y[:, None], res, nw, neps, cast_last=cl)
                 continue
             side = None  # the shared expert's stream, once forked
             if not L.norm_route:  # (norm_route layers have their idx, w already, and no shared expert)
@@ -305,7 +302,7 @@ class FastDecode:
             if side is not None:  # join before the combine reads `shared`
                 main.wait_stream(side)
             slot += 1
-            res, h = ops.add_rmsnorm(y, res, nw, neps, shared, gate, cast_last=cl, prefetch=nqkv)
+            res, h = ops.add_rmsnorm(y, res, nw, neps, shared, gate, cast_last=cl)
         logits = F.linear(h, self.lm_head)  # [T, V]
         if rows_pos is None:
             torch._foreach_add_([c.cumulative_length for c in clayers], 1)

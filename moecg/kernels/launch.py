@@ -37,11 +37,6 @@ PDL: int | None = None
 # those loads before its PDL wait, so they run while its predecessor does; results are unchanged (no kernel writes
 # weights). The fused step sets it from capture.preload while it runs (FastDecode(preload=)); True outside.
 PRELOAD: bool = True
-# PREFETCH: bytes each extra program of a latency-bound kernel (rope_cache, add_rmsnorm) brings into L2 from the weight
-# the next weight-streaming kernel reads (cp.async.bulk.prefetch, before the PDL wait; the program then exits), so that
-# kernel reads part of its weight from L2 while the HBM would otherwise idle; 0: none. Results are unchanged.
-PREFETCH: int = 0
-PREFETCH_LINES: bool = False  # per-line prefetches (prefetch.global.L2) instead of bulk ones
 
 
 def pdl_mode(device) -> int:
@@ -96,43 +91,6 @@ def pdl_enter(MODE: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         if MODE == 2:
             tl.extra.cuda.gdc_launch_dependents()
-
-
-def prefetch_args(device, weight, rows: int, dummy) -> tuple[int, dict]:
-    """The L2 prefetch of `weight` (a tensor, or a quantized weight: its values `q`; None: none) by extra programs of a
-    kernel with `rows` rows of programs -> (extra programs a row, {pf_ptr, pf_bytes, PF}). Off (no programs, PF 0,
-    pf_ptr the tensor `dummy`) where PREFETCH is 0, off CUDA, under the interpreter or before sm_90 (the bulk prefetch
-    is Hopper's)."""
-    t = getattr(weight, "q", weight)
-    if (not PREFETCH or t is None or device.type != "cuda" or interpreting() or not t.is_cuda
-            or _capability(device.index if device.index is not None else torch.cuda.current_device()) < 9):
-        return 0, {"pf_ptr": dummy, "pf_bytes": 0, "PF": 0}
-    n = t.numel() * t.element_size() // 16 * 16  # the bulk prefetch moves multiples of 16 bytes
-    per_row = max(1, -(-n // (PREFETCH * rows)))
-    return per_row, {"pf_ptr": t, "pf_bytes": n, "PF": 2 if PREFETCH_LINES else 1}
-
-
-@triton.jit
-def l2_prefetch(pf_ptr, pf_bytes, j, nj, LANES: tl.constexpr, LINES: tl.constexpr = 0):
-    """Program j of nj brings its share of the pf_bytes bytes at pf_ptr into L2: one cp.async.bulk.prefetch a lane
-    (16-byte multiples; lanes past the end issue none). Nothing waits on it."""
-    if LINES:  # one 128-byte line a lane and instruction (prefetch.global.L2), LINES lanes at a time
-        per = tl.cdiv(tl.cdiv(pf_bytes, 128), nj)
-        first = j * per
-        end = tl.minimum(first + per, tl.cdiv(pf_bytes, 128))
-        for i in range(first, end, LINES):
-            ln = i + tl.arange(0, LINES)
-            ptrs = pf_ptr.to(tl.pointer_type(tl.int8)) + tl.where(ln < end, ln, first).to(tl.int64) * 128
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-    else:
-        chunk = tl.cdiv(tl.cdiv(pf_bytes, nj * LANES), 16) * 16
-        off = (j * LANES + tl.arange(0, LANES)).to(tl.int64) * chunk
-        size = tl.minimum(tl.maximum(pf_bytes - off, 0), chunk).to(tl.int32)
-        ptrs = pf_ptr.to(tl.pointer_type(tl.int8)) + off
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1],"
-                                  " $2; mov.u32 $0, 0; }", "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False,
-                                  pack=1)
 
 
 def pos_stride(pos: torch.Tensor, T: int) -> int:

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
-from moecg.kernels.launch import dry_zeros, l2_prefetch, launch, p2, pdl_args, pdl_enter, pos_stride, prefetch_args
+from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, pos_stride
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -25,13 +25,8 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
                         T, D, eps, s_yt, s_yk, s_rt, s_sht, s_sgt, s_ort, s_ot,
                         KK: tl.constexpr, HAS_RES: tl.constexpr, HAS_SHARED: tl.constexpr,
                         HAS_SGATE: tl.constexpr, HAS_VALID: tl.constexpr, CAST_LAST: tl.constexpr,
-                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0,
-                        pf_ptr=None, pf_bytes=0, PF: tl.constexpr = 0):
+                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0):
     t = tl.program_id(0)
-    if PF:  # programs past the rows: an L2 prefetch of the next kernel's weight, no wait, no result
-        if t >= T:
-            l2_prefetch(pf_ptr, pf_bytes, t - T, tl.num_programs(0) - T, 32, 256 * (PF == 2))
-            return
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
     # the PDL wait before the norm weight, or with PRELOAD after it (as moecg.kernels.gemv's kernel does)
@@ -66,15 +61,14 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
 
 @dry_zeros
 def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, valid=None, cast_last: bool = False,
-                out_dtype=None, prefetch=None):
+                out_dtype=None):
     T, KK, D = y.shape
     dt = (out_dtype or weight.dtype) if residual is None else residual.dtype
     new_res = torch.empty(T, D, dtype=dt, device=y.device)
     normed = torch.empty(T, D, dtype=dt, device=y.device)
     assert y.stride(2) == 1 and (residual is None or residual.stride(1) == 1)
     dummy = new_res
-    npf, pf = prefetch_args(y.device, prefetch, 1, dummy)
-    launch(_add_rmsnorm_kernel, (T + npf,),
+    launch(_add_rmsnorm_kernel, (T,),
         y, residual if residual is not None else dummy, weight,
         shared if shared is not None else dummy, shared_gate if shared_gate is not None else dummy,
         valid if valid is not None else dummy, new_res, normed,
@@ -83,7 +77,7 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
         new_res.stride(0), normed.stride(0),
         KK=KK, HAS_RES=residual is not None, HAS_SHARED=shared is not None, HAS_SGATE=shared_gate is not None,
         HAS_VALID=valid is not None, CAST_LAST=cast_last, BLOCK_D=p2(D), num_warps=_tiles.norm_warps(T, D, KK),
-        **pdl_args(y.device, preload=True), **pf)
+        **pdl_args(y.device, preload=True))
     return new_res, normed
 
 
@@ -98,16 +92,10 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, q_ptr, 
                        T, eps, clip, s_pos, s_qkv, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_qt, s_qh,
                        HQ: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, R: tl.constexpr,
                        HAS_QKN: tl.constexpr, NORM_FULL: tl.constexpr, HAS_CLIP: tl.constexpr,
-                       USE_PDL: tl.constexpr = 0, pf_ptr=None, pf_bytes=0, PF: tl.constexpr = 0):
+                       USE_PDL: tl.constexpr = 0):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): q heads, [HQ, HQ+HKV): k heads, then v heads
-    if PF:  # programs past the heads: an L2 prefetch of the next kernel's weight, no wait, no result
-        npf = tl.num_programs(1) - (HQ + 2 * HKV)
-        if h >= HQ + 2 * HKV:
-            l2_prefetch(pf_ptr, pf_bytes, t * npf + h - (HQ + 2 * HKV), tl.num_programs(0) * npf, 32,
-                        256 * (PF == 2))
-            return
-    pdl_enter(USE_PDL)
     d = tl.arange(0, DH)
     pos = tl.load(pos_ptr + t * s_pos)  # s_pos 0: one position for every row; 1: each row's own
     dt = q_ptr.dtype.element_ty
@@ -165,19 +153,18 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, q_ptr, 
 
 @dry_zeros
 def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: int,
-               q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None, prefetch=None):
+               q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None):
     T = qkv.shape[0]
     R = cos.shape[-1]
     assert qkv.stride(1) == 1 and keys.stride(3) == 1 and values.stride(3) == 1 and cos.is_contiguous()
     assert R % 2 == 0 and R <= head_dim and sin.shape == cos.shape
     q = torch.empty(T, n_q, head_dim, dtype=qkv.dtype, device=qkv.device)
     full = q_norm is not None and q_norm.numel() != head_dim
-    npf, pf = prefetch_args(qkv.device, prefetch, T, q)
-    launch(_rope_cache_kernel, (T, n_q + 2 * n_kv + npf),
+    launch(_rope_cache_kernel, (T, n_q + 2 * n_kv),
         qkv, pos, cos, sin, keys, values, q, q_norm if q_norm is not None else q,
         k_norm if k_norm is not None else q, T, eps, float(clip or 0.0), pos_stride(pos, T), qkv.stride(0),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         q.stride(0), q.stride(1), HQ=n_q, HKV=n_kv, DH=head_dim, R=R, HAS_QKN=q_norm is not None,
         NORM_FULL=full, HAS_CLIP=clip is not None, num_warps=1,
-        **pdl_args(qkv.device), **pf)
+        **pdl_args(qkv.device))
     return q

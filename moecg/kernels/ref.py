@@ -27,7 +27,7 @@ def rmsnorm(x, weight, eps: float, cast_last: bool = False):
 
 
 def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, valid=None, cast_last: bool = False,
-                out_dtype=None, prefetch=None):
+                out_dtype=None):
     """y [T, KK, D] partial outputs (summed in fp32), + gated shared expert, + residual, then RMSNorm.
 
     Returns (new residual [T, D], normed [T, D]); residual None: the new residual is sum(y) itself, in out_dtype
@@ -36,8 +36,6 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
     without a gate: added as is (GLM-4-MoE's shared experts).
     valid [T] bool: rows marked False contribute no routed output (their y rows may be garbage).
     cast_last: the norm's rounding (see rmsnorm).
-    prefetch: a weight the next op reads, which the Triton kernel brings into L2 (moecg.kernels.launch.PREFETCH);
-    no effect on the results, none here.
     """
     dt = (out_dtype or weight.dtype) if residual is None else residual.dtype
     routed = y.float().sum(1)  # [T, D]
@@ -59,7 +57,7 @@ def rotate_half(x):
 
 
 def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: int,
-               q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None, prefetch=None):
+               q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None):
     """qkv [T, (Hq+2Hkv)*Dh] -> roped q [T, Hq, Dh]; roped k and v written into keys/values [T, Hkv, L, Dh] at
     slot `pos`: a device scalar (every row at one position) or [T] (each row at its own, moecg.ragged); no host
     sync.
@@ -69,7 +67,6 @@ def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: 
     q_norm/k_norm: RMSNorm weights, [Dh] per head (Qwen3-MoE, GLM-4-MoE) or [Hq*Dh] / [Hkv*Dh] over the whole
     projection (OLMoE); normed before the rotary as HF does.
     clip: clamp q, k (after the norm) and v to [-clip, clip] (OLMoE's clip_qkv).
-    prefetch: as add_rmsnorm's.
     """
     T = qkv.shape[0]
     q = qkv[:, : n_q * head_dim]
