@@ -11,8 +11,10 @@ GEMM (CUDA context and cuBLAS set up outside the timing), then times what experi
 times: `Capture(engine, ...)` + `.apply()`, every bucket largest first, split as
   setup       Capture(): the strategy's checks and, for capture.kernels=fused, FastDecode (weights concatenated)
   precompile  kernels=fused on Triton: every bucket's step run dry, then each distinct kernel specialisation compiled
-              on a thread pool (Capture(precompile=...); --no-precompile: none, the first warmups compile)
+              on a thread pool (Capture(precompile=...); --no-precompile: none, the first warmups compile); Triton's
+              source hash computed (cold) or read from the cache directory (warm)
   first warm  each bucket's first warmup call: the step's first run at that shape, Triton's JIT compiles included
+              (none where capture.warmup=auto follows the dry pass)
   jit (est.)  first warm minus the bucket's later warmup calls' mean: what the first call cost beyond a step
               (with capture.warmup 1 there is no later call, so it is the whole first warmup)
   warmups     the later warmup calls (capture.warmup - 1 per bucket): eager steps
@@ -127,7 +129,8 @@ def measure(args) -> dict:
     for b, p in zip(order, per_bucket):
         w = p["warmups_s"]
         steady = statistics.mean(w[1:]) if len(w) > 1 else 0.0
-        rows[b] = {"first_warmup_s": w[0], "jit_s": max(w[0] - steady, 0.0), "steady_warmup_s": sum(w[1:]),
+        first = w[0] if w else 0.0  # no warmup: capture.warmup=auto after the dry pass
+        rows[b] = {"first_warmup_s": first, "jit_s": max(first - steady, 0.0), "steady_warmup_s": sum(w[1:]),
                    "graph_capture_s": p["graph_capture_s"], "total_s": sum(w) + p["graph_capture_s"]}
     tot = {k: sum(r[k] for r in rows.values()) for k in ("first_warmup_s", "jit_s", "steady_warmup_s",
                                                           "graph_capture_s")}
@@ -233,7 +236,7 @@ def main(argv=None):
     ap.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_BUCKETS))
     ap.add_argument("--cache-len", type=int, default=256)
     ap.add_argument("--warmup", type=lambda v: v if v == "auto" else int(v), default="auto",
-                    help="capture.warmup: auto (1 after the fused step's dry pass, else 3) or a count")
+                    help="capture.warmup: auto (none after the fused step's dry pass, else 3) or a count")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--backend", default="auto", help="auto (cuda on a GPU, emulate on CPU) | cuda | emulate")

@@ -130,8 +130,9 @@ FIELDS: tuple[Field, ...] = (
     _f("capture_s", "capture", "seconds to capture every bucket", _S),
     _f("graph_mem_mib", "capture", "graph memory pool growth over all buckets", _S),
     _f("graphs", "capture", "graphs captured"),
-    _f("warmup", "capture", "eager runs before each capture: capture.warmup, or with auto 1 after the fused step's "
-       "dry pass (kernels=fused on Triton, capture.precompile on), else 3; null without graphs (capture_s differs)"),
+    _f("warmup", "capture", "eager runs before each capture: capture.warmup, or with auto 0 after the fused step's "
+       "dry pass (kernels=fused on Triton, capture.precompile on; 1 where it ran earlier in the process), else 3; "
+       "null without graphs (capture_s differs)"),
     _f("capture_buckets", "capture", "per bucket: {capture_s, graph_mem_mib, replays, graphs}"),
     _f("pdl", "capture", "capture.pdl: programmatic dependent launch of the Triton kernels, as configured (auto: mode 2 "
        "on sm90+ where Triton has it, else 0 | 0 | 1 | 2); results equal, launch latency differs"),

@@ -337,7 +337,7 @@ def _n_compiled() -> int | None:
 def test_capture_precompile_leaves_nothing_to_compile_and_same_bits(monkeypatch):
     """Capture(precompile=True): after the dry pass and the pool, the warmups and captures compile no kernel; the
     replayed logits are bit-equal to a capture without the pass (precompile=False), whose warmup=auto runs 3 eager
-    steps before each capture where the precompiled one runs 1."""
+    steps before each capture where the precompiled one runs none."""
     b = build_model("qwen2_moe_tiny", dtype="bf16", device="cuda", seed=4)
     m = b.model
     prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
@@ -352,12 +352,12 @@ def test_capture_precompile_leaves_nothing_to_compile_and_same_bits(monkeypatch)
         attach(m, make_dispatcher("fused"), max_rows=8)
         eng = DecodeEngine(m, 64, 8)
         cap = Capture(eng, "full", buckets=(1, 2, 4, 8), kernels="fused", precompile=pre).apply()
-        assert cap.stats()["warmup"] == (1 if pre else 3)  # capture.warmup=auto: one eager run after the dry pass
+        assert cap.stats()["warmup"] == (0 if pre else 3)  # capture.warmup=auto: no eager run after the dry pass
         if pre:
             st = cap.stats()["precompiled"]
             assert st["specialisations"] > 0 and st["launches"] > st["specialisations"]
             if after_pre["n"] is not None:
-                assert _n_compiled() == after_pre["n"], "a warmup compiled a kernel the dry pass missed"
+                assert _n_compiled() == after_pre["n"], "a capture compiled a kernel the dry pass missed"
         else:
             assert cap.stats()["precompiled"] is None
         outs.append(eng.generate(prompts, 8, keep_logits=True, timing=False))

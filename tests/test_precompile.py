@@ -99,12 +99,14 @@ def test_precompile_dedupes_and_builds_launchers_on_threads():
     assert sorted(kw["BLOCK"] for _, _, kw in k.warmups) == [16, 16, 32]
 
 
-def test_precompile_hashes_triton_beside_the_dry_pass_and_before_any_compile(monkeypatch):
+def test_precompile_hashes_triton_beside_the_dry_pass_and_before_any_compile(monkeypatch, tmp_path):
     """Triton's hash of its own sources runs once, on a thread of its own started by the Precompiler (the dry pass
     goes on meanwhile); every compile waits for it."""
     import time
 
     import triton.runtime.cache as cache
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # no key file yet
 
     ready, calls = threading.Event(), []
 
@@ -129,6 +131,42 @@ def test_precompile_hashes_triton_beside_the_dry_pass_and_before_any_compile(mon
     pre.submit(k, (1,), (torch.zeros(2),), {"BLOCK": 8})
     got = pre.wait()
     assert calls == ["moecg-triton-key"] and got["specialisations"] == 2 and len(k.warmups) == 2
+
+
+def test_triton_key_file_spares_the_next_process_the_hash(monkeypatch, tmp_path):
+    """The source hash a Precompiler computed is kept in Triton's cache directory with the package's fingerprint; a
+    later process (here: triton_key not computed yet) reads it instead of hashing, and starts no hashing thread; another
+    fingerprint or a damaged file means hashing again."""
+    import triton.runtime.cache as cache
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fresh(value):  # a process's own triton_key, not computed yet
+        def key():
+            calls.append(value)
+            return value
+        return key
+
+    monkeypatch.setattr(cache, "triton_key", fresh("k1"))
+    assert not launch.load_triton_key()
+    pre = launch.Precompiler()
+    pre.wait()
+    assert calls == ["k1"] and (tmp_path / launch.TRITON_KEY_FILE).exists()
+
+    monkeypatch.setattr(cache, "triton_key", fresh("k2"))  # the next process
+    assert launch.load_triton_key() and cache.triton_key() == "k1" and calls == ["k1"]
+    monkeypatch.setattr(cache, "triton_key", fresh("k2"))
+    assert launch.Precompiler()._key is None and cache.triton_key() == "k1"
+
+    monkeypatch.setattr(cache, "triton_key", fresh("k2"))
+    monkeypatch.setattr(launch, "_triton_fingerprint", lambda: "another package")
+    assert not launch.load_triton_key()
+    monkeypatch.undo()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cache, "triton_key", fresh("k3"))
+    (tmp_path / launch.TRITON_KEY_FILE).write_text("{not json")
+    assert not launch.load_triton_key() and cache.triton_key() == "k3"
 
 
 def test_precompile_propagates_compile_errors():
@@ -228,9 +266,11 @@ def test_triton_ops_expose_the_reference_ops():
         assert got[:len(want)] == want, (name, want, got)
 
 
-def test_capture_warmup_auto_is_one_after_the_dry_pass(monkeypatch):
-    """capture.warmup=auto: 3 eager runs before each capture (HF's modules, a fused step not precompiled), 1 once the
-    precompile's dry pass has run the step; an explicit count is kept; anything else is refused before any work."""
+def test_capture_warmup_auto_is_none_after_the_dry_pass(monkeypatch):
+    """capture.warmup=auto: 3 eager runs before each capture (HF's modules, a fused step not precompiled), none once
+    the precompile's dry pass has run the step, 1 where that pass was skipped (run earlier in the process: a kernel it
+    did not record compiles in the warmup, not in the capture); an explicit count is kept; anything else is refused
+    before any work."""
     model = build_model("qwen3_moe_tiny", dtype="bf16", device="cpu", seed=0).model
     attach(model, make_dispatcher("fused"), max_rows=4)
     try:
@@ -239,8 +279,8 @@ def test_capture_warmup_auto_is_one_after_the_dry_pass(monkeypatch):
             cap = Capture(eng, "full", buckets=(1, 2), backend="emulate", **kw).apply()
             assert cap.stats()["warmup"] == want, kw
             cap.unwrap()
-        for warmup, want in (("auto", 1), (3, 3)):  # a step taken for the Triton one (its ops stay the reference's,
-            # which run on CPU): the dry pass runs before the warmups
+        for warmup, want in (("auto", 0), (3, 3), ("auto", 1)):  # a step taken for the Triton one (its ops stay
+            # the reference's, which run on CPU): the dry pass runs before the warmups, once a process
             cap = Capture(eng, "full", buckets=(1, 2), backend="emulate", kernels="fused", warmup=warmup)
             cap.fast.backend = "triton"
             runs = []
@@ -248,6 +288,7 @@ def test_capture_warmup_auto_is_one_after_the_dry_pass(monkeypatch):
             monkeypatch.setattr(cap.runner.backend, "warmup", lambda fn, args, n: (runs.append(n), real(fn, args, n)))
             cap.apply()
             assert cap.precompiled is not None and cap.stats()["warmup"] == want and set(runs) == {want}
+            assert ("skipped" in cap.precompiled) is (warmup != "auto" or want == 1)
             cap.unwrap()
         for bad in (0, "3", True, 1.5):
             with pytest.raises(StrategyError, match="capture.warmup"):

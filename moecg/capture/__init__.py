@@ -34,9 +34,11 @@ __all__ = ["Capture", "CaptureError", "STRATEGIES", "StrategyError", "StrategySp
 _PRECOMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 # capture.warmup=auto: eager runs before each capture. HF's modules (and a fused step not precompiled) get 3, for
-# their lazy first-call work; the precompiled fused step gets 1, its dry pass having run every bucket's torch ops
-# and compiled and loaded every kernel already (the later runs would repeat the first).
-WARMUP_HF, WARMUP_DRY = 3, 1
+# their lazy first-call work; the precompiled fused step gets none: its dry pass has run every bucket's torch ops
+# (cuBLAS, the allocator, the step's own tables, streams and counters) and compiled and loaded every kernel with its
+# launcher, which is all the first-call work a warmup would do (an eager run would only repeat it). A capture whose dry
+# pass was skipped (it ran earlier in this process) gets one: a kernel it did not record compiles there.
+WARMUP_HF, WARMUP_DRY = 3, 0
 
 _FIXES = (
     "Ways to fix it:\n"
@@ -61,7 +63,8 @@ class Capture:
     whose knobs these are (FastDecode says what each does); with kernels=hf they must keep their defaults.
     precompile: kernels=fused on Triton: compile the step's kernels for every bucket on a thread pool before the first
     warmup (_precompile); False: each compiles inside the first warmup that launches it (benchmarks compare the two).
-    warmup: eager runs before each capture, or "auto" (WARMUP_DRY after the precompile's dry pass, else WARMUP_HF).
+    warmup: eager runs before each capture (at least 1), or "auto" (WARMUP_DRY, none, after the precompile's dry pass,
+    else WARMUP_HF).
     """
 
     def __init__(self, engine, strategy: str = "eager", *, layers: str | None = None, buckets=DEFAULT_BUCKETS,
@@ -177,8 +180,10 @@ class Capture:
         order = sorted((b for b in self.buckets if b <= eng.max_rows), reverse=True)  # largest first: one pool
         if self.precompile and self.fast is not None and self.fast.backend == "triton" and order:
             self._precompile(order)
-        if self.warmup == "auto" and self.runner is not None:
-            self.runner.warmup = WARMUP_DRY if self.precompiled is not None else WARMUP_HF
+        if self.warmup == "auto" and self.runner is not None:  # a dry pass skipped (run earlier in this process, the
+            # kernels in memory) may meet specialisations it did not record: they compile in one warmup, never in a capture
+            ran = self.precompiled is not None and "skipped" not in self.precompiled
+            self.runner.warmup = WARMUP_DRY if ran else 1 if self.precompiled is not None else WARMUP_HF
         for b in order:
             try:
                 with eng.scratch(), torch.no_grad():

@@ -35,6 +35,8 @@ class CudaBackend:
 
     def warmup(self, fn, args, n: int):
         # Warm up on a side stream, as torch.cuda.graphs asks: lazy inits and allocator state settle there.
+        if n == 0:
+            return
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
@@ -114,7 +116,7 @@ class GraphRunner:
     """Captures `fn(*static_args)` per key (after `warmup` runs) and replays it."""
 
     def __init__(self, backend, warmup: int = 3):
-        if warmup < 1:
+        if warmup < 1:  # (the runner's warmup may be set to 0 later by whoever has done the first-call work itself)
             raise ValueError(f"capture.warmup={warmup}: at least 1 warmup run must precede a capture (3 is safe)")
         self.backend, self.warmup = backend, warmup
         self.entries: dict[object, GraphEntry] = {}

@@ -29,7 +29,7 @@ class CaptureConfig:
 
     buckets: Any = field(default_factory=lambda: list(DEFAULT_BUCKETS))  # ascending batch sizes a graph is captured for
     backend: Any = "auto"  # auto (cuda on a GPU, none on CPU) | cuda | emulate (CPU stand-in for tests) | none
-    warmup: Any = "auto"  # auto (1 after the fused step's dry pass, else 3) | int 1-3: eager runs before each capture
+    warmup: Any = "auto"  # auto (0 after the fused step's dry pass, else 3) | int 1-3: eager runs before each capture
     compile: Any = False  # experimental: Inductor-compile the captured pieces (fused kernels) before capture
     compile_mode: Any = "default"  # default | max-autotune-no-cudagraphs (never reduce-overhead: moecg owns the graphs)
     # hf: decode runs HF's modules | fused: moecg.fast's fused decode step (strategy full/capacity/eager)

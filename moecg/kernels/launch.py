@@ -10,6 +10,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import hashlib
+import json
 import os
 import threading
 import time
@@ -180,6 +182,74 @@ def _build(kernel, grid, args, kwargs) -> None:
         init()
 
 
+# Triton's hash of its own sources (triton.runtime.cache.triton_key: sha256 over its Python files and libtriton, part of
+# every kernel's cache key) takes 0.3-0.5 s in each process that compiles or loads a kernel. The Precompiler keeps it in
+# a file of Triton's cache directory beside the fingerprint of the package it hashed (every .py / .so file's path,
+# size and modification time, ~10 ms to take): a later process whose package has the same fingerprint reads it there
+# instead of hashing; any file changed, added or removed gives another fingerprint, and the hash is computed again.
+TRITON_KEY_FILE = "moecg-triton-key.json"
+
+
+def _triton_fingerprint() -> str:
+    import triton
+
+    root = os.path.dirname(os.path.abspath(triton.__file__))
+    h = hashlib.sha256(f"{triton.__version__}\0{root}".encode())
+    for d, dirs, files in os.walk(root):
+        dirs.sort()
+        for f in sorted(files):
+            if f.endswith((".py", ".so")):
+                st = os.stat(os.path.join(d, f))
+                h.update(f"{os.path.relpath(os.path.join(d, f), root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _key_file() -> str:
+    try:
+        from triton import knobs
+        d = knobs.cache.dir
+    except (ImportError, AttributeError):  # an older Triton: its default
+        d = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return os.path.join(d, TRITON_KEY_FILE)
+
+
+def load_triton_key() -> bool:
+    """Triton's source hash for this process: True where it needs no computing (already computed here, or read from
+    the key file with this package's fingerprint, and then installed as triton.runtime.cache.triton_key)."""
+    from triton.runtime import cache
+
+    info = getattr(cache.triton_key, "cache_info", None)
+    if info is not None and info().currsize:
+        return True
+    try:
+        with open(_key_file()) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(rec, dict) or rec.get("fingerprint") != _triton_fingerprint() or not rec.get("key"):
+        return False
+    key = rec["key"]
+    cache.triton_key = functools.lru_cache(maxsize=None)(lambda: key)
+    return True
+
+
+def store_triton_key() -> None:
+    """Compute Triton's source hash (triton.runtime.cache.triton_key) and write it with the package's fingerprint to the
+    key file (a temporary file renamed over it: readers see the old file or the new one)."""
+    from triton.runtime import cache
+
+    rec = {"fingerprint": _triton_fingerprint(), "key": cache.triton_key()}
+    path = _key_file()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(rec, f)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: the next process hashes again
+        pass
+
+
 class Precompiler:
     """Compiles each distinct specialisation submitted (kernel, grid, args, kwargs) once, on a thread pool; wait()
     joins them, re-raises the first error and returns {"launches", "specialisations", "seconds"} (from creation).
@@ -193,13 +263,13 @@ class Precompiler:
         self._key = None
         if not self._off:
             try:
-                from triton.runtime.cache import triton_key
+                known = load_triton_key()
             except ImportError:
-                pass
-            else:  # Triton's hash of its own sources (lru-cached; mostly sha256 over libtriton, which releases the
-                # GIL): on a thread of its own while the dry pass records, each compile waiting for it (threads racing
-                # to fill the cache would each hash it)
-                self._key = threading.Thread(target=triton_key, name="moecg-triton-key", daemon=True)
+                known = True  # no triton.runtime.cache: nothing to hash
+            if not known:  # Triton's hash of its own sources (lru-cached; mostly sha256 over libtriton, which releases
+                # the GIL): on a thread of its own while the dry pass records, each compile waiting for it (threads
+                # racing to fill the cache would each hash it), then kept in the key file for the next process
+                self._key = threading.Thread(target=store_triton_key, name="moecg-triton-key", daemon=True)
                 self._key.start()
         n = workers or min(os.cpu_count() or 1, 16)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="moecg-precompile")
