@@ -165,7 +165,7 @@ def test_triton_key_file_spares_the_next_process_the_hash(monkeypatch, tmp_path)
     monkeypatch.undo()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cache, "triton_key", fresh("k3"))
-    (tmp_path / launch.TRITON_KEY_FILE).write_text("{not json")
+    (tmp_path / launch.TRITON_KEY_FILE).write_text("half a file")
     assert not launch.load_triton_key() and cache.triton_key() == "k3"
 
 

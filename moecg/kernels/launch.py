@@ -11,7 +11,6 @@ import concurrent.futures
 import contextlib
 import functools
 import hashlib
-import json
 import os
 import threading
 import time
@@ -187,7 +186,7 @@ def _build(kernel, grid, args, kwargs) -> None:
 # a file of Triton's cache directory beside the fingerprint of the package it hashed (every .py / .so file's path,
 # size and modification time, ~10 ms to take): a later process whose package has the same fingerprint reads it there
 # instead of hashing; any file changed, added or removed gives another fingerprint, and the hash is computed again.
-TRITON_KEY_FILE = "moecg-triton-key.json"
+TRITON_KEY_FILE = "moecg-triton-key.txt"  # two lines: the fingerprint, the hash
 
 
 def _triton_fingerprint() -> str:
@@ -223,12 +222,12 @@ def load_triton_key() -> bool:
         return True
     try:
         with open(_key_file()) as f:
-            rec = json.load(f)
-    except (OSError, ValueError):
+            lines = f.read().split("\n")
+    except (OSError, UnicodeDecodeError):
         return False
-    if not isinstance(rec, dict) or rec.get("fingerprint") != _triton_fingerprint() or not rec.get("key"):
+    if len(lines) != 3 or lines[2] or not lines[1] or lines[0] != _triton_fingerprint():
         return False
-    key = rec["key"]
+    key = lines[1]
     cache.triton_key = functools.lru_cache(maxsize=None)(lambda: key)
     return True
 
@@ -238,13 +237,13 @@ def store_triton_key() -> None:
     key file (a temporary file renamed over it: readers see the old file or the new one)."""
     from triton.runtime import cache
 
-    rec = {"fingerprint": _triton_fingerprint(), "key": cache.triton_key()}
+    text = f"{_triton_fingerprint()}\n{cache.triton_key()}\n"
     path = _key_file()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "w") as f:
-            json.dump(rec, f)
+            f.write(text)
         os.replace(tmp, path)
     except OSError:  # a read-only cache: the next process hashes again
         pass
