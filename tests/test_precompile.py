@@ -169,6 +169,36 @@ def test_triton_key_file_spares_the_next_process_the_hash(monkeypatch, tmp_path)
     assert not launch.load_triton_key() and cache.triton_key() == "k3"
 
 
+def test_triton_fingerprint_follows_the_package_files(monkeypatch, tmp_path):
+    """The key file's fingerprint changes with any .py / .so file of the Triton package: its size, its modification
+    time, a file added; and with the package's place (another install)."""
+    import os
+
+    import triton
+
+    pkg = tmp_path / "triton"
+    (pkg / "_C").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("x = 1\n")
+    (pkg / "_C" / "libtriton.so").write_bytes(b"\0" * 64)
+    monkeypatch.setattr(triton, "__file__", str(pkg / "__init__.py"))
+    first = launch._triton_fingerprint()
+    assert launch._triton_fingerprint() == first
+    (pkg / "_C" / "libtriton.so").write_bytes(b"\0" * 65)
+    second = launch._triton_fingerprint()
+    st = os.stat(pkg / "__init__.py")
+    os.utime(pkg / "__init__.py", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    third = launch._triton_fingerprint()
+    (pkg / "language.py").write_text("")
+    fourth = launch._triton_fingerprint()
+    (pkg / "notes.txt").write_text("not hashed by Triton")
+    assert launch._triton_fingerprint() == fourth
+    other = tmp_path / "elsewhere" / "triton"
+    other.parent.mkdir()
+    pkg.rename(other)
+    monkeypatch.setattr(triton, "__file__", str(other / "__init__.py"))
+    assert len({first, second, third, fourth, launch._triton_fingerprint()}) == 5
+
+
 def test_precompile_propagates_compile_errors():
     class Bad(_Kernel):
         def warmup(self, *args, grid, **kwargs):
