@@ -223,9 +223,9 @@ def load_triton_key() -> bool:
     try:
         with open(_key_file()) as f:
             lines = f.read().split("\n")
-    except (OSError, UnicodeDecodeError):
-        return False
-    if len(lines) != 3 or lines[2] or not lines[1] or lines[0] != _triton_fingerprint():
+        if len(lines) != 3 or lines[2] or not lines[1] or lines[0] != _triton_fingerprint():
+            return False
+    except (OSError, UnicodeDecodeError):  # no file (a cold cache), or a package file unreadable: hash
         return False
     key = lines[1]
     cache.triton_key = functools.lru_cache(maxsize=None)(lambda: key)
@@ -237,15 +237,16 @@ def store_triton_key() -> None:
     key file (a temporary file renamed over it: readers see the old file or the new one)."""
     from triton.runtime import cache
 
-    text = f"{_triton_fingerprint()}\n{cache.triton_key()}\n"
+    key = cache.triton_key()  # first (lru-cached): whatever fails below, the compiles find it computed
     path = _key_file()
     try:
+        text = f"{_triton_fingerprint()}\n{key}\n"
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, path)
-    except OSError:  # a read-only cache: the next process hashes again
+    except OSError:  # a read-only cache or package: the next process hashes again
         pass
 
 
