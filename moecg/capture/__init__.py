@@ -38,7 +38,7 @@ _PRECOMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # (cuBLAS, the allocator, the step's own tables, streams and counters) and compiled and loaded every kernel with its
 # launcher, which is all the first-call work a warmup would do (an eager run would only repeat it). A capture whose dry
 # pass was skipped (it ran earlier in this process) gets one: a kernel it did not record compiles there.
-WARMUP_HF, WARMUP_DRY = 3, 0
+WARMUP_HF, WARMUP_DRY, WARMUP_SKIPPED_DRY = 3, 0, 1
 
 _FIXES = (
     "Ways to fix it:\n"
@@ -180,10 +180,13 @@ class Capture:
         order = sorted((b for b in self.buckets if b <= eng.max_rows), reverse=True)  # largest first: one pool
         if self.precompile and self.fast is not None and self.fast.backend == "triton" and order:
             self._precompile(order)
-        if self.warmup == "auto" and self.runner is not None:  # a dry pass skipped (run earlier in this process, the
-            # kernels in memory) may meet specialisations it did not record: they compile in one warmup, never in a capture
-            ran = self.precompiled is not None and "skipped" not in self.precompiled
-            self.runner.warmup = WARMUP_DRY if ran else 1 if self.precompiled is not None else WARMUP_HF
+        if self.warmup == "auto" and self.runner is not None:
+            if self.precompiled is None:
+                self.runner.warmup = WARMUP_HF
+            elif "skipped" in self.precompiled:  # the kernels in memory may miss a specialisation this step launches:
+                self.runner.warmup = WARMUP_SKIPPED_DRY  # it compiles in a warmup, never inside a capture
+            else:
+                self.runner.warmup = WARMUP_DRY
         for b in order:
             try:
                 with eng.scratch(), torch.no_grad():

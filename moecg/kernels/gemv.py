@@ -17,7 +17,7 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
-from moecg.kernels.quant import check_block_k, dequant_tile, fp8_row_mac, mac, mac_init, mac_sum
+from moecg.kernels.quant import check_block_k, dequant_tile, fp8_row_mac, mac, mac_init, mac_sum, w_tile
 from moecg.models.formats import BlockFp8
 
 
@@ -65,13 +65,6 @@ def silu_mul(gu, inter: int):
 # the programs resident while the predecessor (a norm, the attention) runs have their first tile in flight or in
 # registers when it ends; the arithmetic and its order are unchanged (the loop's first step peeled).
 @triton.jit
-def _w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K: tl.constexpr):
-    """The weight tile [BLOCK_N, BLOCK_K] of rows n at columns k0 .. (masked past k_hi and N)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & (k < k_hi)[None, :], other=0.0)
-
-
-@triton.jit
 def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr):
     """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format)."""
@@ -108,7 +101,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     # the PDL wait before the first K step's weights, or with PRELOAD after them (no kernel writes weights: they then
     # load while the predecessor runs); one of the two calls waits, the other is mode 0 (nothing)
     pdl_enter(USE_PDL * (1 - PRELOAD))
-    w = _w_tile(w_ptr, n, nm, k_lo, k_hi, s_wn, s_wk, BLOCK_K)
+    w = w_tile(w_ptr, n, nm, k_lo, k_hi, s_wn, s_wk, BLOCK_K)
     pdl_enter(USE_PDL * PRELOAD)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
@@ -118,7 +111,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k_lo, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N, BLOCK_K,
                      DOT, ROW_SCALE)  # every split has columns (linear_partials): the first step always runs
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        w = _w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
+        w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
         acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
                          BLOCK_K, DOT, ROW_SCALE)
     acc = mac_sum(acc, DOT)

@@ -17,7 +17,7 @@ import triton.language as tl
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
 from moecg.kernels.quant import (check_block_k, check_mx_k, dequant_tile, fp8_row_mac, mac, mac_init,
-                                 mac_sum, mx_dot)
+                                 mac_sum, mx_dot, w_tile)
 from moecg.models.formats import BlockFp8, Mxfp4
 
 
@@ -134,15 +134,6 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
 
 
 @triton.jit
-def _down_w(w_ptr, e, n, nm, k0, k_hi, s_we, s_wn, s_wk, BLOCK_K: tl.constexpr):
-    """Expert e's down-projection weight tile [BLOCK_N, BLOCK_K]: output rows n, columns k0 .. of I (masked past
-    k_hi; nm: the rows to load)."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + e.to(tl.int64) * s_we + n[:, None] * s_wn + kk[None, :] * s_wk,
-                   mask=nm[:, None] & (kk < k_hi)[None, :], other=0.0)
-
-
-@triton.jit
 def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk,
                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr,
                ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, HAS_W: tl.constexpr):
@@ -156,7 +147,7 @@ def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, 
                      s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
     else:
         if not HAS_W:
-            w = _down_w(w_ptr, e, n, nm, k0, k_hi, s_we, s_wn, s_wk, BLOCK_K)
+            w = w_tile(w_ptr + e.to(tl.int64) * s_we, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
         if ROW_SCALE:
             acc = fp8_row_mac(h, w, acc, ws_ptr + e.to(tl.int64) * s_se + (nb * BLOCK_N // QROWS) * s_sj, k0,
                               k_hi, s_sk, BLOCK_K)
@@ -174,7 +165,7 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
               ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, w0=None, HAS_W0: tl.constexpr = 0):
     """The unrounded fp32 down-projection sum over I in [k_lo, k_hi) (never empty) of h rows `rows` for output
     columns block nb -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask). QROWS > 0: e4m3 weights, MX:
-    mxfp4 ones ([E, D, I / 2]), as up_tile's. HAS_W0: w0 is the first K step's weight tile (_down_w), loaded by the
+    mxfp4 ones ([E, D, I / 2]), as up_tile's. HAS_W0: w0 is the first K step's weight tile (quant.w_tile), loaded by the
     caller (before its PDL wait), its step peeled from the loop: the same products in the same order."""
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < D
@@ -303,7 +294,8 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
         n0 = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         n_run = tl.where(lead & (cnt > mb * BLOCK_M), D, 0)  # rows to load: none where the program will not run
         k_lo0 = ks * k_chunk  # unsplit: ks 0 and k_chunk I
-        w0 = _down_w(w_ptr, e, n0, n0 < n_run, k_lo0, tl.minimum(k_lo0 + k_chunk, I), s_we, s_wn, s_wk, BLOCK_K)
+        w0 = w_tile(w_ptr + e.to(tl.int64) * s_we, n0, n0 < n_run, k_lo0, tl.minimum(k_lo0 + k_chunk, I), s_wn, s_wk,
+                    BLOCK_K)
     pdl_enter(USE_PDL)
     if HAS_VALID:  # pad rows get zeros here (no kernel writes them otherwise): program 0 of each tile column
         if (p == 0) & (ks == 0):

@@ -20,6 +20,15 @@ import triton.language as tl
 
 
 @triton.jit
+def w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K: tl.constexpr):
+    """A weight tile [BLOCK_N, BLOCK_K] as stored (values only; any format): rows n, columns k0 .. (masked past k_hi,
+    and on the rows where nm is false). The GEMV's (gemv.py) and the MoE down kernel's (moe.py: w_ptr at its expert)
+    loads, also issued before their PDL wait (moecg.kernels.launch.PRELOAD)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & (k < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
 def mac_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
              ROW: tl.constexpr = 0):
     """The accumulator mac adds into: [BLOCK_M, BLOCK_N] fp32 for tl.dot; on the CUDA cores each column's products
