@@ -61,7 +61,7 @@ from moecg.engine import DecodeEngine
 from moecg.floor import bench_bandwidth_gbps, step_floor_ms
 from moecg.kernels import gemv, tiles as tiles_mod, triton_ops
 from moecg.models import build_model
-from moecg.models.formats import FORMATS
+from moecg.models.formats import ACTIVATIONS, FORMATS
 from moecg.report import env_fields, write_report
 from profile_step import kernel_table  # same directory: the per-kernel profile
 
@@ -216,13 +216,16 @@ def main(argv=None):
     ap.add_argument("--warmup-variant", action=argparse.BooleanOptionalAction, default=True,
                     help="time the first variant once, not kept, before the variants at each batch size")
     ap.add_argument("--weights", default="full", choices=FORMATS, help="the weight format (model.weights)")
+    ap.add_argument("--activations", default="full", choices=ACTIVATIONS,
+                    help="how block-FP8 GEMMs take their inputs (model.activations)")
     ap.add_argument("--bandwidth-gbps", type=float, default=None,
                     help="HBM GB/s for the floor (default: moecg.floor's device table, else a copy measured here)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     variants = {name: parse_variant(name) for name in args.variants}
-    built = build_model(args.preset, num_layers=args.num_layers, device="cuda", weights=args.weights)
+    built = build_model(args.preset, num_layers=args.num_layers, device="cuda", weights=args.weights,
+                        activations=args.activations)
     model = built.model
     bw, bw_source = bench_bandwidth_gbps(torch.device("cuda"), args.bandwidth_gbps)
     results, tables = [], []
@@ -260,6 +263,7 @@ def main(argv=None):
     triton_ops.moe_experts, triton_ops.attn_decode, triton_ops.linear_partials = MOE_EXPERTS, ATTN_DECODE, LINEAR_PARTIALS
     tiles_mod.fp8_gemv_tiles, tiles_mod.gemv_tiles = FP8_GEMV_TILES, GEMV_TILES
     head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, weights {built.weights}, "
+            f"activations {args.activations}, "
             f"{env_fields()['device_name']}, "
             f"prompt {args.prompt_len}, cache {args.cache_len}; captured full+fused step, ms (CUDA events, "
             f"{args.replays} replays x median of {args.repeats}); floor at {bw:.0f} GB/s ({bw_source})")

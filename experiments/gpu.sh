@@ -177,6 +177,15 @@ suite_preload() {  # weights loaded before each kernel's PDL wait (the default) 
       --variants $D_STEP+pre=0 $D_STEP $D_STEP+pre=0+pre=0 $D_STEP+pre=1
   done
 }
+suite_activations() {  # fp8_dynamic activations (model.activations): their GPU tests, then Qwen3-30B-A3B (48 layers, fp8_block) at bs 1 and 8 with full and fp8_dynamic inputs, alternated
+  bench activations
+  t gpu_tests.log python3 -m pytest -q -s -m gpu tests/test_act_gpu.py | grep -E "agreement|passed|failed|FAILED" | tail -12
+  local a r
+  for r in 1 2; do for a in full fp8_dynamic; do
+    variant "qwen3_48_fp8_${a}_$r" qwen3_30b_a3b 48 --weights fp8_block --activations "$a" --batch 1 8 --repeats 3 \
+      --variants $D_STEP
+  done; done
+}
 suite_gemv() {  # the qkv / o projections at T 1-16: cuBLAS against the Triton GEMV over a grid of tiles, plain launches
   bench gemv
   t gpu_tests_gemv.log python3 -m pytest -q -m gpu tests -k gemv | tail -3

@@ -321,6 +321,21 @@ def test_kernels_compile_for_hopper():
           stages=3, w_ptr="*fp8e4nv", ws_ptr="*fp32")
     build(routers._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=False, CAST_LAST=False, BLOCK_D=2048, BLOCK_E=8,
                                            BLOCK_EP=128, USE_PDL=2, KK=4), a_ptr="*fp32")
+    # fp8_dynamic activations (A8): FP8 MMAs (wgmma, the weight rows as M) on 16 rows, fp32 products on one row
+    f8 = dict(w_ptr="*fp8e4nv", ws_ptr="*fp32")
+    for bm, bn, bk in ((16, 64, 128), (1, 32, 1024)):
+        build(moe._moe_up_kernel, dict(K=8, HAS_VALID=False, COUNT=False, JM=1, JU=768, HAS_BIAS=False, ACT=0,
+                                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_S=64, USE_PDL=2, QROWS=128, A8=1),
+              stages=3, **f8)
+        build(moe._moe_down_kernel, dict(K=8, HAS_VALID=False, HAS_BIAS=False, SPLIT=1 if bm == 16 else 4, BLOCK_M=bm,
+                                         BLOCK_N=bn // 2, BLOCK_K=128 if bm == 16 else 256, BLOCK_S=64, USE_PDL=2,
+                                         QROWS=128, A8=1), **f8)
+        build(gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=bm, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=2, QROWS=128, A8=1),
+              **f8)
+    build(cap._cap_up_kernel, dict(K=8, KP=8, HAS_VALID=False, COUNT=True, JM=1, JU=768, HAS_BIAS=False, ACT=0,
+                                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64, QROWS=128, A8=1), stages=3, **f8)
+    build(cap._cap_down_kernel, dict(K=8, KP=8, RENORM=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                                     QROWS=128, A8=1), **f8)
 
 
 @pytest.mark.slow

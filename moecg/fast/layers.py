@@ -86,8 +86,10 @@ def fuse(params: list, align: int = 1) -> tuple:
         if pad:
             K = parts[0][0].shape[1]
             parts.append((parts[0][0].new_zeros(pad, K), parts[0][1].new_ones(1, parts[0][1].shape[1]), BLOCK))
+        if len({p.act for p in params}) > 1:
+            raise FastPathError("a fused GEMM mixes activation quantization (model.activations) across its weights")
         q, scale, g = fuse_rows(parts)
-        fused = BlockFp8(q, scale, g, params[0].dtype)
+        fused = BlockFp8(q, scale, g, params[0].dtype, params[0].act)
         return fused, fused.stored_bytes()
     parts = [p.detach() for p in params]
     if pad:

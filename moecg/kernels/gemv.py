@@ -17,7 +17,8 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
-from moecg.kernels.quant import check_block_k, dequant_tile, fp8_row_mac, mac, mac_init, mac_sum, w_tile
+from moecg.kernels.quant import (act_k, act_q8, act_values, check_block_k, dequant_tile, fp8_dot, fp8_row_mac, mac,
+                                 mac_init, mac_sum, w_tile)
 from moecg.models.formats import BlockFp8
 
 
@@ -56,7 +57,8 @@ def silu_mul(gu, inter: int):
 # strided view, s_wk its K stride); the plain linear has one head and s_wk 1.
 # A block-FP8 weight (QROWS > 0: e4m3 values, fp32 scales ws [N / QROWS, K / 128], moecg.models.formats) is
 # dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot;
-# program_id(2) then takes BLOCK_T rows each, so any T runs it.
+# program_id(2) then takes BLOCK_T rows each, so any T runs it. A8 (fp8_dynamic activations): x quantized per row and
+# 128 columns at each K step, then an FP8 MMA (moecg.kernels.quant.fp8_dot) or fp32 products of its values.
 # Split-K (linear_partials, GemvTiles.split_k = S > 1): program_id(1) takes one of S column ranges of K (a whole
 # number of K steps each) and stores its fp32 partial row; the consumer (add_rmsnorm, norm_route) adds the S
 # partials in order and rounds once, so the projection's output is rounded once as in linear, from the same fp32
@@ -66,11 +68,17 @@ def silu_mul(gu, inter: int):
 # registers when it ends; the arithmetic and its order are unchanged (the loop's first step peeled).
 @triton.jit
 def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr,
+               A8: tl.constexpr):
     """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format)."""
     k = k0 + tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & (k < k_hi)[None, :], other=0.0)
-    if ROW_SCALE:
+    if A8:
+        xq, xs = act_q8(x, t.shape[0], BLOCK_K)
+        x = act_values(xq, xs, t.shape[0], BLOCK_K)  # the CUDA-core products' x (unused on the tensor cores)
+    if A8 and DOT:
+        acc = fp8_dot(xq, xs, w, acc, ws_ptr + (n // QROWS) * s_sn, k0, s_sk, nm, t.shape[0])
+    elif ROW_SCALE:
         acc = fp8_row_mac(x, w, acc, ws_ptr + (tl.program_id(0) * BLOCK_N // QROWS) * s_sn, k0, K, s_sk, BLOCK_K)
     else:
         if QROWS:
@@ -83,7 +91,7 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_s
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
                  s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0,
-                 SPLIT: tl.constexpr = 1, kper=0, s_ys=0, PRELOAD: tl.constexpr = 0):
+                 SPLIT: tl.constexpr = 1, kper=0, s_ys=0, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT > 1:  # program_id(1) is the K split (one head): columns [sp * kper, (sp + 1) * kper) of K
         sp = tl.program_id(1)
@@ -109,11 +117,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     ROW_SCALE: tl.constexpr = (BLOCK_T == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # one row: x scaled (fp8_row_mac)
     acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
     acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k_lo, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N, BLOCK_K,
-                     DOT, ROW_SCALE)  # every split has columns (linear_partials): the first step always runs
+                     DOT, ROW_SCALE, A8)  # every split has columns (linear_partials): the first step always runs
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
         acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
-                         BLOCK_K, DOT, ROW_SCALE)
+                         BLOCK_K, DOT, ROW_SCALE, A8)
     acc = mac_sum(acc, DOT)
     if HAS_BIAS:  # split: once, in the first split's partial
         b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
@@ -189,19 +197,28 @@ def linear_partials(x, w, bias=None, tiles=None):
     if t is None or t.split_k <= 1 or (not fp8 and (T > GEMV_MAX_T or w.stride(1) != 1)) or x.stride(1) != 1 \
             or (bias is not None and bias.stride(0) != 1):
         return linear(x, w, bias, tiles)[:, None]
-    bk = check_block_k(t.block_k) if fp8 else t.block_k
+    rows = min(t.rows, GEMV_MAX_T)
+    bk = _fp8_k(t.block_k, w, rows) if fp8 else t.block_k
     kper = triton.cdiv(triton.cdiv(K, t.split_k), bk) * bk  # a whole number of K steps (and of 128-column scales)
     S = triton.cdiv(K, kper)
     y = torch.empty(S, T, N, dtype=torch.float32, device=x.device)
-    q, extra = (w.q, {"ws_ptr": w.scale, "s_sn": w.scale.stride(0), "s_sk": w.scale.stride(1), "QROWS": w.rows}) \
-        if fp8 else (w, {})
-    rows = min(t.rows, GEMV_MAX_T)
+    q, extra = (w.q, {"ws_ptr": w.scale, "s_sn": w.scale.stride(0), "s_sk": w.scale.stride(1), "QROWS": w.rows,
+                      "A8": _a8(w)}) if fp8 else (w, {})
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), S, triton.cdiv(T, rows)), x, q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), q.stride(0), y.stride(1),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
            num_stages=t.stages, SPLIT=S, kper=kper, s_ys=y.stride(0), **extra,
            **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y.transpose(0, 1)  # [T, S, N]
+
+
+def _a8(w: BlockFp8) -> int:
+    return int(w.act == "fp8_dynamic")
+
+
+def _fp8_k(block_k: int, w: BlockFp8, rows: int) -> int:
+    """A block-FP8 GEMV's K step: check_block_k's, or with fp8_dynamic activations act_k's."""
+    return act_k(block_k, rows) if _a8(w) else check_block_k(block_k)
 
 
 def _linear_fp8(x, w, bias, tiles):
@@ -214,8 +231,8 @@ def _linear_fp8(x, w, bias, tiles):
     rows = min(t.rows, GEMV_MAX_T)
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, rows)), x, w.q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), w.q.stride(0), y.stride(0),
-           HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=check_block_k(t.block_k),
-           num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows,
+           HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=_fp8_k(t.block_k, w, rows),
+           num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows, A8=_a8(w),
            **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y
 

@@ -7,6 +7,11 @@ reference does (fp32 products rounded once to the compute dtype), so a kernel's 
   e2m1 operand to bf16 times its scale, exact, in the MMA's operand layout: 1.6x the register decode's speed, measured
   by experiments/bench_mx_tile.py); other dtypes: the register decode (mx_tile), then tl.dot.
 
+fp8_dynamic activations (A8, moecg.models.formats.act_quant, with block-FP8 weights): each K step quantizes its x tile
+per row and 128 columns (act_q8, the reference's arithmetic: IEEE quotients, round to nearest even e4m3), then on the
+tensor cores an FP8 MMA of the e4m3 values times both scales (fp8_dot, BLOCK_K 128), or on the CUDA cores fp32
+products of the values times their scales (act_values), the weight side as without A8.
+
 Also the product every GEMM tile loop shares (mac, mac_sum): on the tensor cores (tl.dot, 16 rows or more) or, for
 fewer rows (batch 1), as fp32 products on the CUDA cores, with no padded rows and no change of the weight tile's layout.
 
@@ -106,6 +111,49 @@ def fp8_row_mac(x, w, acc, s_ptr, k0, K, s_sk, BLOCK_K: tl.constexpr):
     return acc + xs * w.to(tl.float32)
 
 
+@triton.jit
+def e4m3_round(y):
+    """fp32 y (|y| <= 448) -> the nearest e4m3 value (ties to even), in fp32: adding and taking back 2^(e + 20) (e:
+    y's exponent, at least -6, the subnormal step's) leaves y rounded to 3 mantissa bits by the fp32 adder's own
+    rounding. Exact arithmetic, so the interpreter (whose fp32 -> e4m3 cast differs from torch's) and the GPU agree."""
+    a = tl.abs(y)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 255, 121)  # biased exponent, 121: 2^-6
+    c = ((e + 20) << 23).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def act_q8(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] (columns from a multiple of 128, BLOCK_K a multiple of 128; masked columns loaded as 0)
+    -> (q [BLOCK_M, BLOCK_K] fp32 holding e4m3 values, s [BLOCK_M, BLOCK_K / 128] fp32 scales), as
+    moecg.models.formats.act_quant: per row and 128 columns, s = amax / 448, q = x * (448 / amax) rounded to e4m3."""
+    NS: tl.constexpr = BLOCK_K // 128
+    xf = tl.reshape(x.to(tl.float32), (BLOCK_M, NS, 128))
+    amax = tl.max(tl.abs(xf), axis=2)  # [BLOCK_M, NS]
+    nz = amax > 0
+    s = tl.where(nz, tl.math.div_rn(amax, 448.0), 1.0)
+    inv = tl.where(nz, tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), tl.where(nz, amax, 1.0)), 1.0)
+    y = tl.minimum(tl.maximum(xf * inv[:, :, None], -448.0), 448.0)
+    return tl.reshape(e4m3_round(y), (BLOCK_M, BLOCK_K)), s
+
+
+@triton.jit
+def act_values(q, s, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act_q8's values times their scales, in fp32 (not rounded): the x the CUDA-core products take under A8."""
+    NS: tl.constexpr = BLOCK_K // 128
+    return tl.reshape(tl.reshape(q, (BLOCK_M, NS, 128)) * s[:, :, None], (BLOCK_M, BLOCK_K))
+
+
+@triton.jit
+def fp8_dot(q, s, w, acc, srow_ptr, k0, s_sk, nmask, BLOCK_M: tl.constexpr):
+    """acc + (q [BLOCK_M, 128] e4m3 values (act_q8) @ w [BLOCK_N, 128]^T (e4m3 as stored)) on an FP8 MMA, times each
+    row's activation scale s [BLOCK_M, 1] and each weight row's block scale (srow_ptr [BLOCK_N], column k0 / 128)."""
+    sw = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask, other=0.0)  # [BLOCK_N]
+    d = tl.trans(tl.dot(w, tl.trans(q.to(w.dtype))))  # weight rows as the MMA's M: 64+ rows take wgmma
+    return acc + d * tl.reshape(s, (BLOCK_M,))[:, None] * sw[None, :]
+
+
 def check_block_k(block_k: int) -> int:
     """A quantized GEMM's K step: a divisor of 128 (inside one scale column) or a multiple of it (whole columns)."""
     if not (128 % block_k == 0 or block_k % 128 == 0):
@@ -140,6 +188,13 @@ def mx_tile(wrow_ptr, srow_ptr, k0, K, s_wk, s_sk, nmask, dt: tl.constexpr, BLOC
                  other=127).to(tl.int32)
     sf = tl.where(sc == 0, 0x00400000, sc << 23).to(tl.float32, bitcast=True)  # 2^(s - 127); s = 0: 2^-127
     return tl.reshape(tl.reshape(v, (BLOCK_N, NS, 32)) * sf[:, :, None], (BLOCK_N, BLOCK_K)).to(dt)
+
+
+def act_k(block_k: int, rows: int) -> int:
+    """An A8 GEMM's K step: 128 on the tensor cores (rows >= 16: fp8_dot scales each MMA's sum), else whole
+    128-column blocks (act_q8), at least one."""
+    check_block_k(block_k)
+    return 128 if rows >= 16 or block_k < 128 else block_k
 
 
 def check_mx_k(block_k: int) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moecg.models.formats import BlockFp8
 from moecg.models.weights import dense
 from moecg.moe_math import add_counters, assign_slots, count_valid, kept_weights, route_counts, routed_mass
 
@@ -268,9 +269,15 @@ def route_topk_softmax(logits, top_k: int):
 # ------------------------------------------------------------------------------------------------------------
 def linear(x, w, bias=None, tiles=None):
     """x [T, K] @ w [N, K]^T (+ bias [N]) -> [T, N] in x's dtype: F.linear (cuBLAS on CUDA), fp32 accumulation,
-    rounded once. w: a tensor, or a block-FP8 weight (moecg.models.formats.BlockFp8), dequantized first.
-    tiles: the Triton GEMV's tile choice (moecg.kernels.tiles.GemvTiles); no meaning here."""
-    return F.linear(x, dense(w), bias)
+    rounded once. w: a tensor, or a block-FP8 weight (moecg.models.formats.BlockFp8), dequantized first (and x taken
+    as the weight takes it: BlockFp8.input). tiles: the Triton GEMV's tile choice (moecg.kernels.tiles.GemvTiles); no
+    meaning here."""
+    return F.linear(_input(w, x), dense(w), bias)
+
+
+def _input(w, x):
+    """x as a stored weight's GEMM takes it (a block-FP8 weight with fp8_dynamic activations: fake-quantized)."""
+    return w.input(x) if isinstance(w, BlockFp8) else x
 
 
 def router_logits(h, w):
@@ -330,16 +337,18 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     """
     T, K = idx.shape
     transposed = spec is not None and spec.transposed
+    x_in = _input(gate_up, x)  # one row per token: quantized per token, as each expert's GEMM takes it
+    down_stored = down
     gate_up, down = dense(gate_up), dense(down)  # block-FP8 weights: the format's reference dequantization
     E = gate_up.shape[0]
     D = x.shape[1]
     sel = idx.reshape(-1)  # [S]
-    xs = x[:, None, :].expand(T, K, D).reshape(T * K, 1, D).to(gate_up.dtype)  # [S, 1, D]
+    xs = x_in[:, None, :].expand(T, K, D).reshape(T * K, 1, D).to(gate_up.dtype)  # [S, 1, D]
     wg = gate_up[sel] if transposed else gate_up[sel].transpose(1, 2)  # [S, D, 2I]
     gu = torch.bmm(xs, wg)  # [S, 1, 2I]
     if gate_up_bias is not None:
         gu = gu + gate_up_bias[sel][:, None, :]
-    h = expert_act(gu, spec)  # [S, 1, I]
+    h = _input(down_stored, expert_act(gu, spec))  # [S, 1, I]
     wd = down[sel] if transposed else down[sel].transpose(1, 2)  # [S, I, D]
     y = torch.bmm(h, wd)  # [S, 1, D] model dtype
     if down_bias is not None:

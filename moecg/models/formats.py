@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 FORMATS = ("full", "fp8_block", "mxfp4")  # the `model.weights` values
+ACTIVATIONS = ("full", "fp8_dynamic")  # the `model.activations` values: how a block-FP8 GEMM's input is taken
 BLOCK = 128  # the published block edge, both dims
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3 value
@@ -60,10 +61,15 @@ class BlockFp8:
     scale: torch.Tensor
     rows: int
     dtype: torch.dtype
+    act: str = "full"  # the input's form (ACTIVATIONS): `full` as it is, `fp8_dynamic` quantized (act_quant) first
 
     @property
     def shape(self):
         return self.q.shape
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as this weight's GEMM takes it (the reference): unchanged, or fp8_dynamic's act_fake_quant."""
+        return act_fake_quant(x) if self.act == "fp8_dynamic" else x
 
     def dense(self) -> torch.Tensor:
         return dequantize(self.q, self.scale, self.rows, self.dtype)
@@ -178,6 +184,32 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(*lead, nb * BLOCK, kb * BLOCK)
     return q[..., :N, :K].to(FP8).contiguous(), scale.contiguous()
+
+
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`model.activations=fp8_dynamic`, the published checkpoints' `activation_scheme: dynamic` (vLLM's and SGLang's
+    per-token-group quantization, DeepSeek's act_quant): x [..., K] -> (q [..., K] e4m3, scale [..., ceil(K/128)]
+    fp32), each row's 128-column blocks on their own: scale = amax / 448, q = x * (448 / amax) rounded to the nearest
+    e4m3 (both quotients IEEE fp32, once per block; an all-zero block gets scale 1)."""
+    K = x.shape[-1]
+    kb = math.ceil(K / BLOCK)
+    pad = torch.zeros(*x.shape[:-1], kb * BLOCK, dtype=torch.float32, device=x.device)
+    pad[..., :K] = x.float()
+    blocks = pad.view(*x.shape[:-1], kb, BLOCK)
+    amax = blocks.abs().amax(dim=-1)  # [..., kb]
+    nz = amax > 0
+    scale = torch.where(nz, amax / FP8_MAX, torch.ones_like(amax))
+    inv = torch.where(nz, FP8_MAX / torch.where(nz, amax, torch.ones_like(amax)), torch.ones_like(amax))
+    q = (blocks * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).view(*x.shape[:-1], kb * BLOCK)[..., :K]
+    return q.to(FP8).contiguous(), scale
+
+
+def act_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """x through act_quant and back: q times its block's scale in fp32, rounded once to x's dtype. The reference GEMMs
+    take this for the input and the dequantized weight (`BlockFp8.input`); the kernels multiply the e4m3 values
+    themselves (FP8 MMAs, or fp32 products), which differs from it within the two roundings to x's dtype."""
+    q, scale = act_quant(x)
+    return (q.float() * scale.repeat_interleave(BLOCK, dim=-1)[..., :x.shape[-1]]).to(x.dtype)
 
 
 def expand_scale(scale: torch.Tensor, rows: int, n: int, k: int) -> torch.Tensor:

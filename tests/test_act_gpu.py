@@ -1,0 +1,122 @@
+"""fp8_dynamic activations (`model.activations`) on a real GPU: the in-kernel quantization (moecg.kernels.quant.act_q8)
+gives act_quant's values and scales bit for bit; the GEMV, MoE and capacity kernels on block-FP8 weights with FP8 MMAs
+(or fp32 products on the CUDA cores) match the PyTorch reference (act_fake_quant, then the dequantize-then-matmul)
+within its two roundings to bf16; whole models captured on the fused step against HF's modules on the same model.
+
+Dims: T tokens, D hidden, E experts, K top-k, I expert intermediate, N/K a projection's.
+Skipped without CUDA. Run on the GPU: `pytest -m gpu -s tests/test_act_gpu.py`.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from moecg.capture import Capture  # noqa: E402
+from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
+from moecg.engine import DecodeEngine  # noqa: E402
+from moecg.kernels import ref, triton_ops as tri  # noqa: E402
+from moecg.kernels.quant import act_q8  # noqa: E402
+from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles  # noqa: E402
+from moecg.models import build_model  # noqa: E402
+from moecg.models.formats import act_quant, quantize_stacked  # noqa: E402
+
+BF = torch.bfloat16
+
+
+def _close(a, b, tol=2e-2):
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def _a8(w):
+    return replace(w, act="fp8_dynamic")
+
+
+@triton.jit
+def _act_q8_kernel(x_ptr, q_ptr, s_ptr, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    i = tl.arange(0, BLOCK_M)
+    j = tl.arange(0, BLOCK_K)
+    m = (j < K)[None, :]
+    q, s = act_q8(tl.load(x_ptr + i[:, None] * K + j[None, :], mask=m, other=0.0), BLOCK_M, BLOCK_K)
+    tl.store(q_ptr + i[:, None] * K + j[None, :], q.to(tl.float8e4nv), mask=m)
+    NS: tl.constexpr = BLOCK_K // 128
+    tl.store(s_ptr + i[:, None] * NS + tl.arange(0, NS)[None, :], s)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_in_kernel_quantization_is_act_quant_bit_for_bit(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(16, 300, device="cuda", generator=g) * torch.logspace(-6, 4, 300, device="cuda")
+    x[3, :128] = 0  # a zero block: scale 1
+    x[5, :8] = torch.tensor([448.0, 1.0625, 1.1875, 3 * 2 ** -10, 2 ** -10, 5 * 2 ** -10, -1.0625, 2 ** -12])  # ties
+    x = x.to(dtype)
+    q = torch.empty(16, 300, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty(16, 4, device="cuda")
+    _act_q8_kernel[(1,)](x, q, s, 300, BLOCK_M=16, BLOCK_K=512)
+    rq, rs = act_quant(x)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s[:, :3], rs)
+
+
+@pytest.mark.parametrize("T", [1, 8, 33])
+@pytest.mark.parametrize("N,K,parts", [(4096 + 2 * 512, 2048, 1), (2048, 4096, 1), (1536, 2048, 2)])
+def test_gemv_on_quantized_inputs_is_the_reference(T, N, K, parts):
+    g = torch.Generator(device="cuda").manual_seed(T)
+    w = _a8(quantize_stacked(torch.randn(N, K, device="cuda", generator=g) * 0.02, parts, BF))
+    x = torch.randn(T, K, device="cuda", generator=g).to(BF)
+    want = ref.linear(x, w)
+    _close(tri.linear(x, w), want)
+    assert float((want.float() - ref.linear(x, replace(w, act="full")).float()).abs().max()) > 1e-3
+    for tiles in (GemvTiles(64, 128, 4, 3), GemvTiles(16, 512, 4, 3), GemvTiles(4, 2048, rows=1),
+                  GemvTiles(16, 256, 4, 3, split_k=4)):
+        _close(tri.linear_partials(x, w, tiles=tiles).sum(1), want)
+
+
+@pytest.mark.parametrize("T", [1, 8, 32])
+@pytest.mark.parametrize("shape", [(2048, 768, 128, 8), (4096, 1408, 64, 6)])  # Qwen3-30B-A3B, DeepSeek-V2-Lite-ish
+def test_moe_and_capacity_kernels_on_quantized_inputs_are_the_reference(shape, T):
+    D, I, E, K = shape
+    g = torch.Generator(device="cuda").manual_seed(T)
+    gate_up = _a8(quantize_stacked(torch.randn(E, 2 * I, D, device="cuda", generator=g) * 0.02, 2, BF))
+    down = _a8(quantize_stacked(torch.randn(E, D, I, device="cuda", generator=g) * 0.02, 1, BF))
+    x = torch.randn(T, D, device="cuda", generator=g).to(BF)
+    idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
+    w = torch.rand(T, K, device="cuda", generator=g).to(BF)
+    want = ref.moe_experts(x, idx, w, gate_up, down)
+    t = moe_tiles(T, D, I, E, "fp8_block")
+    for tiles in (t, replace(t, up_k=256, down_k=256, stages=3), MoeTiles(block_m=16, down_split=2)):
+        _close(tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles), want)
+    for cf in (0.5, 1.0):
+        _close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf),
+               ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf))
+
+
+@pytest.mark.parametrize("preset", ["qwen3_moe_tiny", "qwen2_moe_tiny", "deepseek_v3_tiny"])
+def test_fused_full_capture_on_quantized_inputs_matches_hf(preset):
+    """fp8_dynamic on the fused step (its kernels quantizing every block-FP8 GEMM's input), teacher-forced against
+    HF's modules on the same model (Fp8Linear and the experts quantizing the same inputs): the same greedy tokens
+    nearly everywhere, every real token routed K times per layer."""
+    m = build_model(preset, dtype="bf16", device="cuda", seed=1, weights="fp8_block",
+                    activations="fp8_dynamic").model
+    prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    attach(m, make_dispatcher("dropless"), max_rows=8)
+    r_ref = DecodeEngine(m, 64, 8).generate(prompts, 16, keep_logits=True, timing=False)
+    s_ref = state_of(m).snapshot()
+    detach(m)
+    attach(m, make_dispatcher("fused"), max_rows=8)
+    eng = DecodeEngine(m, 64, 8)
+    cap = Capture(eng, "full", buckets=(1, 2, 4, 8), kernels="fused").apply()
+    assert cap.stats()["kernel_backend"] == "triton" and cap.captured
+    r = eng.generate(prompts, 16, keep_logits=True, timing=False, force_tokens=r_ref.tokens)
+    s = state_of(m).snapshot()
+    agree = float((r.tokens == r_ref.tokens).float().mean())
+    diff = max(float((a - c).abs().max()) for a, c in zip(r.logits, r_ref.logits))
+    print(f"{preset} fp8_dynamic fused: forced agreement {agree:.3f}, max logit diff {diff:.4f}")
+    assert agree >= 0.95 and s["routed_assignments"] == s_ref["routed_assignments"]
+    cap.unwrap()
+    detach(m)

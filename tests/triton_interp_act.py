@@ -1,0 +1,123 @@
+"""Run by tests/test_act_kernels.py under TRITON_INTERPRET=1: the Triton GEMMs on block-FP8 weights with fp8_dynamic
+activations (moecg.models.formats.act_quant: each row's 128-column blocks quantized to e4m3) on CPU tensors. Every
+kernel must match the PyTorch reference (act_fake_quant, then the dequantize-then-matmul) within fp32 rounding on fp32
+activations, and differ from the same kernel without activation quantization (the flag reaches the kernel): the GEMV
+(any T, tensor-core and CUDA-core tiles, K steps of one and of several 128-column blocks, ragged K, split-K
+partials), the dropless MoE kernels (expert and slot grids, split-K down, pad rows, counters) and the capacity kernels,
+on the tensor cores and on the CUDA cores; bf16 activations within bf16 rounding.
+Prints ALL OK when every check passes; any mismatch raises.
+Dims: T tokens, K top-k, E experts, D hidden, I expert intermediate, N/K a projection's.
+"""
+import dataclasses
+import os
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from moecg.dispatch.state import DispatchState  # noqa: E402
+from moecg.dispatch.base import Dispatcher  # noqa: E402
+from moecg.kernels import ref  # noqa: E402
+from moecg.kernels import triton_ops as tri  # noqa: E402
+from moecg.kernels.tiles import GemvTiles, MoeTiles  # noqa: E402
+from moecg.models.formats import quantize_stacked  # noqa: E402
+
+from moecg.models import build_model  # noqa: E402
+
+from interp_common import close, fused_backends_agree  # noqa: E402 (tests/, this script's directory)
+
+torch.manual_seed(0)
+
+
+def a8(w):
+    return dataclasses.replace(w, act="fp8_dynamic")
+
+
+def differs(a, b, tol=1e-3):
+    assert float((a.float() - b.float()).abs().max()) > tol, "fp8_dynamic changed nothing"
+
+
+# GEMV: ragged N and K, one and two fused parts, tensor-core (rows 16) and CUDA-core tiles, K steps 64 (made 128),
+# 128 and 512 (whole blocks on the CUDA cores, 128 on the tensor cores), split-K partials
+for T, N, K, parts, bias in ((1, 300, 200, 1, False), (5, 384, 256, 1, True), (21, 128, 160, 2, False),
+                             (16, 96, 384, 1, True)):
+    w8 = quantize_stacked(torch.randn(N, K), parts)
+    wa = a8(w8)
+    x = torch.randn(T, K) * torch.logspace(-2, 1, K)  # blocks of different magnitudes
+    x[0, :128] = 0  # an all-zero block: scale 1
+    b = torch.randn(N) if bias else None
+    want = ref.linear(x, wa, b)
+    close(tri.linear(x, wa, b), want, 1e-4)
+    differs(want, ref.linear(x, w8, b))
+    for tiles in (GemvTiles(64, 128, 4, 3), GemvTiles(32, 64, 4, 2), GemvTiles(16, 512), GemvTiles(16, 128, rows=1),
+                  GemvTiles(4, 256, rows=1), GemvTiles(32, 256, rows=2)):
+        close(tri.linear(x, wa, b, tiles=tiles), want, 1e-4)
+    for tiles in (GemvTiles(32, 128, 4, 3, split_k=2), GemvTiles(16, 64, 4, 2, split_k=4),
+                  GemvTiles(16, 128, rows=1, split_k=2)):
+        close(tri.linear_partials(x, wa, b, tiles=tiles).sum(1), want, 1e-4)
+
+
+class _Counting(Dispatcher):
+    drops = True
+
+
+def counters(E):
+    st = DispatchState(_Counting(), [0], E, 8, torch.device("cpu"))
+    return st, st.layer(0)
+
+
+# dropless MoE: I = 96 (fused gate|up groups of 32 rows), D = 320 (ragged last K block), split-K down, pad rows;
+# tensor-core tiles (block_m 16) and CUDA-core ones (block_m 1 with the scale on x, 2)
+E, D, I = 6, 320, 96
+gate_up = a8(quantize_stacked(torch.randn(E, 2 * I, D) * 0.1, 2))
+down = a8(quantize_stacked(torch.randn(E, D, I) * 0.1))
+for T, K, grid, split, valid in ((1, 2, "slot", 2, None), (4, 2, "expert", 1, torch.tensor([1, 1, 0, 1]) != 0),
+                                 (9, 3, "auto", 3, None)):
+    x = torch.randn(T, D)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    want = ref.moe_experts(x, idx, w, gate_up, down, valid)
+    differs(want, ref.moe_experts(x, idx, w, dataclasses.replace(gate_up, act="full"),
+                                  dataclasses.replace(down, act="full"), valid))
+    for tiles in (MoeTiles(block_m=16, up_n=32, up_k=256, down_n=64, down_k=64, down_split=split),
+                  MoeTiles(block_m=1, up_n=32, up_k=128, down_n=16, down_k=128, down_split=2),
+                  MoeTiles(block_m=2, up_n=64, up_k=256, down_n=16, down_k=256)):
+        st1, c1 = counters(E)
+        st2, c2 = counters(E)
+        got = tri.moe_experts(x, idx, w, gate_up, down, valid, c1, tiles=tiles, grid=grid)
+        close(got, want, 1e-4)
+        tri.moe_experts(x, idx, w, dataclasses.replace(gate_up, act="full"), dataclasses.replace(down, act="full"),
+                        valid, c2, tiles=tiles, grid=grid)
+        assert st1.snapshot()["routed"] == st2.snapshot()["routed"]
+        if valid is not None:
+            assert torch.equal(got[~valid], torch.zeros_like(got[~valid]))
+
+# capacity kernels: a drop-heavy factor and a dropless one
+for T, K, cf in ((6, 2, 0.5), (3, 2, 1.0)):
+    x = torch.randn(T, D)
+    idx = torch.randint(0, 2, (T, K)) if cf < 1 else torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    idx[:, 1] = (idx[:, 0] + 1) % E
+    w = torch.rand(T, K)
+    want = ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf)
+    for tiles in (MoeTiles(block_m=16, up_n=32, up_k=64, down_n=64, down_k=256),
+                  MoeTiles(block_m=1, up_n=32, up_k=128, down_n=16, down_k=128)):
+        close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf, tiles=tiles), want, 1e-4)
+
+# bf16 activations: within bf16 rounding of the reference (the kernel multiplies the e4m3 values exactly where the
+# reference rounds q * scale and the dequantized weight to bf16)
+xb = torch.randn(3, D, dtype=torch.bfloat16)
+wb = a8(quantize_stacked(torch.randn(200, D), 1, dtype=torch.bfloat16))
+want = ref.linear(xb, wb).float()
+for tiles in (GemvTiles(64, 128, 4, 3), GemvTiles(16, 128, rows=1)):
+    got = tri.linear(xb, wb, tiles=tiles).float()
+    assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max()), tiles
+
+# whole models: the fused step on the Triton ops against the same step on the torch ops (the reference ops), with
+# every block-FP8 GEMM's input quantized (standard attention's fused qkv, o, shared experts, dense first layers, MLA's
+# fused projections; MLA's kv_b_proj takes its input as it is)
+for preset in ("qwen2_moe_tiny", "deepseek_v3_tiny"):
+    model = build_model(preset, dtype="fp32", device="cpu", seed=4, weights="fp8_block",
+                        activations="fp8_dynamic").model
+    fused_backends_agree(model, torch.randint(0, 100, (2, 5)), 16, 3, preset)
+
+print("ALL OK")
