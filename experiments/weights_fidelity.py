@@ -2,6 +2,7 @@
 
   python experiments/weights_fidelity.py --out experiments/results/weights/fidelity.md --json ...fidelity.json  # CPU
   python experiments/weights_fidelity.py --weights mxfp4 ...  # the experts in MXFP4
+  python experiments/weights_fidelity.py --activations fp8_dynamic ...  # block-FP8 with quantized GEMM inputs
 
 Per model (moecg/checkpoints/*_stdlib, quantized at load, model.weights=--weights, fp8_block by default):
   agreement    greedy tokens of the quantized model against the full-precision model's (HF modules, dropless), held-out
@@ -73,6 +74,7 @@ def main(argv=None):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--weights", default="fp8_block")
+    ap.add_argument("--activations", default="full", help="how block-FP8 GEMMs take their inputs (model.activations)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -84,7 +86,8 @@ def main(argv=None):
     rows = []
     for preset in args.preset:
         full = build_model(preset, dtype=args.dtype, device=args.device)
-        quant = build_model(preset, dtype=args.dtype, device=args.device, weights=args.weights)
+        quant = build_model(preset, dtype=args.dtype, device=args.device, weights=args.weights,
+                            activations=args.activations)
         prompts = heldout_prompts(args.batch, args.prompt_len)
         ref = _greedy(full.model, prompts, args.new_tokens)
         free = _greedy(quant.model, prompts, args.new_tokens)
@@ -94,7 +97,7 @@ def main(argv=None):
         ids = heldout_prompts(1, 1024, seed=7).to(full.device)
         ra, rb = _routes(full.model, full.adapter, ids), _routes(quant.model, quant.adapter, ids)
         flips = sum(int((a != b).any(-1).sum()) for a, b in zip(ra, rb)) / sum(a.shape[0] for a in ra)
-        row = {"model": preset, "weights": quant.weights, "dtype": str(full.dtype).replace("torch.", ""),
+        row = {"model": preset, "weights": quant.weights, "activations": args.activations, "dtype": str(full.dtype).replace("torch.", ""),
                "free_agreement": free_agree, "forced_agreement": forced_agree, "worst_flip_margin": worst,
                "median_margin": float(margin.median()), "route_flip_rate": flips,
                "weight_bytes_full": weight_bytes(full.model), "weight_bytes": weight_bytes(quant.model)}
@@ -106,7 +109,9 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
     cfs = args.capacity_factors
-    lines = [f"{args.weights} against full precision ({args.dtype} activations), {env_fields()['device_name']}; "
+    acts = f"{args.dtype} activations" if args.activations == "full" else \
+        f"{args.dtype} activations, block-FP8 GEMM inputs {args.activations}"
+    lines = [f"{args.weights} against full precision ({acts}), {env_fields()['device_name']}; "
              f"{args.batch} held-out prompts of {args.prompt_len} bytes, {args.new_tokens} new; bpb over "
              f"{args.max_bytes} held-out bytes", "",
              "| model | free-running agreement | teacher-forced agreement | largest margin at a flip | median margin "

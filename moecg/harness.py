@@ -129,7 +129,8 @@ def _build(plan: RunPlan, phases: Phases, group: EPGroup | None = None):
     with phases("build", f"building {mp.preset or mp.pretrained_path} ({mp.layers} layers) on {plan.device.type}"):
         built = build_model(mp.preset, pretrained_path=mp.pretrained_path, num_layers=mp.num_layers,
                             dtype=mp.dtype, device=str(plan.device), seed=plan.seed, router_skew=mp.router_skew,
-                            attn_implementation=mp.attn_implementation, weights=mp.weights)
+                            attn_implementation=mp.attn_implementation, weights=mp.weights,
+                            activations=mp.activations)
         span = shard_experts(built.model, group) if group is not None else None  # the same seed on every rank
         if span is not None:
             phases.say(f"rank {group.rank} of {group.size} holds experts {span[0]}..{span[1] - 1}")
@@ -163,7 +164,7 @@ def _identity(plan: RunPlan, built, state, stats: dict, group: EPGroup) -> dict:
         "model": built.name, "family": built.family, "num_layers": len(built.adapter.layers(model)),
         "num_experts": state.num_experts, "top_k": built.adapter.top_k(model.config),
         "dtype": str(built.dtype).replace("torch.", ""), "weights": built.weights,
-        "weight_bytes": weight_bytes(model), "device": built.device.type,
+        "activations": built.activations, "weight_bytes": weight_bytes(model), "device": built.device.type,
         "attn_implementation": model.config._attn_implementation,
         "strategy": plan.strategy.name, "strategy_layers": plan.strategy_layers,
         "dispatch": d["dispatch"], "capacity_factor": d["capacity_factor"], "drop_policy": d["drop_policy"],

@@ -50,6 +50,10 @@ FIELDS: tuple[Field, ...] = (
     _f("weights", "what", "the weight format (model.weights): full (every weight in dtype) | fp8_block (e4m3 values, "
        "one fp32 scale per 128 x 128 block: experts, shared experts, dense MLPs and attention projections)",
        _S, _A, _X, config=("model.weights",)),
+    _f("activations", "what", "how the block-FP8 GEMMs take their inputs (model.activations): full (as they are: "
+       "W8A16) | fp8_dynamic (each token's 128-column blocks quantized to e4m3, one fp32 scale each: W8A8, the "
+       "checkpoints' activation_scheme: dynamic; MLA's kv_b_proj excepted)", _S, _A, _X,
+       config=("model.activations",)),
     _f("weight_bytes", "what", "bytes of all the model's parameters as stored (values + block scales)"),
     _f("attn_implementation", "what", "the attention HF's modules ran (model.attn_implementation, or eager where the "
        "family has no sdpa path: GPT-OSS's sinks)"),

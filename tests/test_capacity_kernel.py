@@ -253,7 +253,7 @@ def test_kernels_compile_for_hopper():
 
     def build(fn, consts, stages=4, **ptr_types):
         params = inspect.signature(fn.fn).parameters
-        consts = {**{q: 0 for q in ("QROWS", "MX", "PAIRED") if q in params}, **consts}  # bf16, unpaired unless asked
+        consts = {**{q: 0 for q in ("QROWS", "MX", "PAIRED", "A8") if q in params}, **consts}  # bf16, unpaired unless asked
         consts = {**({"PRELOAD": 1} if "PRELOAD" in params else {}), **consts}  # weights before the wait, as launched
         if fn in (gemv._gemv_kernel, routers._norm_route_kernel):  # unsplit, one partial row, unless asked
             consts = {**{q: 1 for q in ("SPLIT", "KK") if q in params}, **consts}
@@ -345,6 +345,7 @@ def test_weights_load_before_the_pdl_wait():
     """PRELOAD: in the sm_90 machine code of the GEMV (bf16 and block-FP8, one row and tl.dot rows), norm_route,
     add_rmsnorm and the dropless MoE down kernel, loads (LDG) come before the PDL wait (griddepcontrol.wait, ACQBULK in
     SASS); without it none does, so the flag decides where the compiler puts them."""
+    import inspect
     import os
     import tempfile
 
@@ -357,7 +358,8 @@ def test_weights_load_before_the_pdl_wait():
         pytest.skip("no nvdisasm in this Triton build")
 
     def loads_before_wait(fn, consts, **tys):
-        k = compile_sm90(fn, consts, stages=2, **tys)
+        a8 = {"A8": 0} if "A8" in inspect.signature(fn.fn).parameters else {}  # full inputs unless asked
+        k = compile_sm90(fn, {**a8, **consts}, stages=2, **tys)
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "k.cubin")
             with open(path, "wb") as f:

@@ -164,11 +164,11 @@ def test_fixed_workload_results_unchanged(case):
     knobs = {"pdl", "preload", "overlap_shared", "fuse_router", "precompile"}  # capture.*, recorded as config
     knobs.add("warmup")  # the eager runs before each capture, recorded since capture.warmup=auto picks them
     kv = {"kv_bytes_per_token"}  # the KV cache's bytes per token, recorded since the floor prices MLA's latent cache
-    fmt = {"weights", "weight_bytes"}  # the weight format and its bytes, recorded since there are formats
+    fmt = {"weights", "activations", "weight_bytes"}  # the weight format, its GEMMs' inputs and its bytes
     assert new == {"workload", *schema.SERVING, *ep_fields, "prefill_chunk", "attn_implementation", *knobs, *kv,
                    *fmt}, "a field was added outside the serving and EP groups, prefill_chunk, attn_implementation, " \
         "the capture knobs, kv_bytes_per_token and the weight format"
-    assert res["weights"] == "full" and res["weight_bytes"] > 0  # as built: today's path
+    assert res["weights"] == "full" and res["activations"] == "full" and res["weight_bytes"] > 0  # today's path
     assert (res["pdl"], res["preload"], res["overlap_shared"], res["fuse_router"], res["precompile"]) == \
         ("auto", True, True, True, True)
     assert res["attn_implementation"] == "sdpa"

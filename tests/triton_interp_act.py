@@ -10,6 +10,7 @@ Dims: T tokens, K top-k, E experts, D hidden, I expert intermediate, N/K a proje
 """
 import dataclasses
 import os
+import time
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
@@ -27,6 +28,7 @@ from moecg.models import build_model  # noqa: E402
 from interp_common import close, fused_backends_agree  # noqa: E402 (tests/, this script's directory)
 
 torch.manual_seed(0)
+T0 = time.time()
 
 
 def a8(w):
@@ -39,8 +41,7 @@ def differs(a, b, tol=1e-3):
 
 # GEMV: ragged N and K, one and two fused parts, tensor-core (rows 16) and CUDA-core tiles, K steps 64 (made 128),
 # 128 and 512 (whole blocks on the CUDA cores, 128 on the tensor cores), split-K partials
-for T, N, K, parts, bias in ((1, 300, 200, 1, False), (5, 384, 256, 1, True), (21, 128, 160, 2, False),
-                             (16, 96, 384, 1, True)):
+for T, N, K, parts, bias in ((1, 300, 200, 1, False), (21, 128, 160, 2, False), (16, 96, 384, 1, True)):
     w8 = quantize_stacked(torch.randn(N, K), parts)
     wa = a8(w8)
     x = torch.randn(T, K) * torch.logspace(-2, 1, K)  # blocks of different magnitudes
@@ -49,11 +50,9 @@ for T, N, K, parts, bias in ((1, 300, 200, 1, False), (5, 384, 256, 1, True), (2
     want = ref.linear(x, wa, b)
     close(tri.linear(x, wa, b), want, 1e-4)
     differs(want, ref.linear(x, w8, b))
-    for tiles in (GemvTiles(64, 128, 4, 3), GemvTiles(32, 64, 4, 2), GemvTiles(16, 512), GemvTiles(16, 128, rows=1),
-                  GemvTiles(4, 256, rows=1), GemvTiles(32, 256, rows=2)):
+    for tiles in (GemvTiles(32, 64, 4, 2), GemvTiles(16, 512), GemvTiles(4, 256, rows=1), GemvTiles(32, 256, rows=2)):
         close(tri.linear(x, wa, b, tiles=tiles), want, 1e-4)
-    for tiles in (GemvTiles(32, 128, 4, 3, split_k=2), GemvTiles(16, 64, 4, 2, split_k=4),
-                  GemvTiles(16, 128, rows=1, split_k=2)):
+    for tiles in (GemvTiles(16, 64, 4, 2, split_k=4), GemvTiles(16, 128, rows=1, split_k=2)):
         close(tri.linear_partials(x, wa, b, tiles=tiles).sum(1), want, 1e-4)
 
 
@@ -66,13 +65,13 @@ def counters(E):
     return st, st.layer(0)
 
 
+print("gemv", round(time.time() - T0, 1), "s")
 # dropless MoE: I = 96 (fused gate|up groups of 32 rows), D = 320 (ragged last K block), split-K down, pad rows;
 # tensor-core tiles (block_m 16) and CUDA-core ones (block_m 1 with the scale on x, 2)
 E, D, I = 6, 320, 96
 gate_up = a8(quantize_stacked(torch.randn(E, 2 * I, D) * 0.1, 2))
 down = a8(quantize_stacked(torch.randn(E, D, I) * 0.1))
-for T, K, grid, split, valid in ((1, 2, "slot", 2, None), (4, 2, "expert", 1, torch.tensor([1, 1, 0, 1]) != 0),
-                                 (9, 3, "auto", 3, None)):
+for T, K, grid, split, valid in ((1, 2, "slot", 2, None), (4, 2, "expert", 3, torch.tensor([1, 1, 0, 1]) != 0)):
     x = torch.randn(T, D)
     idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     w = torch.rand(T, K)
@@ -103,6 +102,7 @@ for T, K, cf in ((6, 2, 0.5), (3, 2, 1.0)):
                   MoeTiles(block_m=1, up_n=32, up_k=128, down_n=16, down_k=128)):
         close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf, tiles=tiles), want, 1e-4)
 
+print("moe + capacity", round(time.time() - T0, 1), "s")
 # bf16 activations: within bf16 rounding of the reference (the kernel multiplies the e4m3 values exactly where the
 # reference rounds q * scale and the dequantized weight to bf16)
 xb = torch.randn(3, D, dtype=torch.bfloat16)
@@ -116,8 +116,10 @@ for tiles in (GemvTiles(64, 128, 4, 3), GemvTiles(16, 128, rows=1)):
 # every block-FP8 GEMM's input quantized (standard attention's fused qkv, o, shared experts, dense first layers, MLA's
 # fused projections; MLA's kv_b_proj takes its input as it is)
 for preset in ("qwen2_moe_tiny", "deepseek_v3_tiny"):
+    t0 = time.time()
     model = build_model(preset, dtype="fp32", device="cpu", seed=4, weights="fp8_block",
                         activations="fp8_dynamic").model
     fused_backends_agree(model, torch.randint(0, 100, (2, 5)), 16, 3, preset)
+    print(preset, round(time.time() - t0, 1), "s")
 
 print("ALL OK")

@@ -20,6 +20,7 @@ from moecg.models import FAMILIES, PRESETS, _attn_implementation, make_config, s
 from moecg.models.adapter import ADAPTERS
 from moecg.models.formats import FORMATS, MX_BLOCK, WeightFormatError
 from moecg.models.checkpoint import checkpoint_format
+from moecg.models.weights import check_activations
 from moecg.models.zoo import family_of_config
 
 
@@ -38,6 +39,10 @@ class ModelConfig:
     # how the weights are stored (moecg.models.formats.FORMATS): full | fp8_block | mxfp4; null: as built (presets,
     # shipped models: full) or as the checkpoint stores them (model=local: its quantization_config)
     weights: Any = None
+    # how a block-FP8 GEMM takes its input (moecg.models.formats.ACTIVATIONS): full (as it is: W8A16) | fp8_dynamic
+    # (each token's 128-column blocks quantized to e4m3 first, the checkpoints' `activation_scheme: dynamic`: W8A8);
+    # fp8_dynamic needs model.weights=fp8_block
+    activations: Any = "full"
 
     def resolve(self) -> ModelPlan:
         """The HF config the model will be built from (no weights), its family and depth."""
@@ -75,7 +80,15 @@ class ModelConfig:
             raise PlanError(f"model: {e}") from None
         weights = self._weights(config, family, path)
         return ModelPlan(preset, path, num_layers, self.dtype, skew, self.attn_implementation, family, config,
-                         int(config.num_hidden_layers), weights)
+                         int(config.num_hidden_layers), weights, self._activations(weights))
+
+    def _activations(self, weights: str) -> str:
+        """How the block-FP8 GEMMs take their inputs: model.activations, refused without block-FP8 weights."""
+        try:
+            check_activations(self.activations, weights)
+        except WeightFormatError as e:
+            raise PlanError(str(e)) from None
+        return self.activations
 
     def _weights(self, config, family: str, path: str | None) -> str:
         """The weight format the run builds: model.weights, else the checkpoint's (refused where unknown)."""
@@ -158,6 +171,7 @@ class ModelPlan:
     config: object = field(repr=False, compare=False)  # the HF config the model will be built from
     layers: int = 0  # decoder layers the model will have
     weights: str = "full"  # the weight format it is built in (moecg.models.formats.FORMATS)
+    activations: str = "full"  # how its block-FP8 GEMMs take their inputs (moecg.models.formats.ACTIVATIONS)
 
 
 def options() -> dict[str, ModelConfig]:

@@ -15,7 +15,7 @@ import torch
 
 from moecg.dispatch.state import LayerCounters
 from moecg.models.formats import EXPERT_PARAMS
-from moecg.models.weights import dense, stored
+from moecg.models.weights import dense, stored, weight_input
 
 REGISTRY: dict[str, type["Dispatcher"]] = {}
 
@@ -128,29 +128,32 @@ def expert_weights(experts):
 def expert_mlp_grouped(experts, x_sorted, offsets, sorted_ids=None):
     """x_sorted [S, D] grouped by expert, offsets [E] int32 cumulative -> [S, D]; rows past offsets[-1] undefined.
 
-    sorted_ids [S]: each row's expert (pad rows: sentinel E), needed for the biases of biased experts."""
+    sorted_ids [S]: each row's expert (pad rows: sentinel E), needed for the biases of biased experts. Each GEMM takes
+    its input as its weight does (weight_input: model.activations=fp8_dynamic quantizes row by row, so a sorted row is
+    quantized as its token is)."""
     gate_up, down, b_gate_up, b_down = expert_weights(experts)
-    h = grouped_mm(x_sorted, gate_up, offsets)  # [S, 2I]
+    h = grouped_mm(weight_input(experts, "gate_up_proj", x_sorted), gate_up, offsets)  # [S, 2I]
     if b_gate_up is not None:
         # pad rows (sentinel) sort past offsets[-1]: clamping keeps the bias gather in bounds, their rows are dropped;
         # the bias's own row count, not num_experts: an expert-parallel rank holds a slice of the experts
         e = sorted_ids.clamp(max=b_gate_up.shape[0] - 1)  # [S]
         h = h + b_gate_up[e]  # as HF's grouped_mm path: the bias before the gate
     h = experts._apply_gate(h)  # [S, I]
-    y = grouped_mm(h, down, offsets)  # [S, D]
+    y = grouped_mm(weight_input(experts, "down_proj", h), down, offsets)  # [S, D]
     return y + b_down[e] if b_down is not None else y
 
 
 def expert_mlp_padded(experts, x):
     """x [E, C, D] capacity buffers -> [E, C, D]: one batched GEMM over all experts (graph-safe, reads all E).
 
-    Empty slots get the biases too; the combine never reads them."""
+    Empty slots get the biases too; the combine never reads them. Inputs as in expert_mlp_grouped: row by row, so a
+    slot's row is quantized as its token is."""
     gate_up, down, b_gate_up, b_down = expert_weights(experts)
-    h = torch.bmm(x, gate_up)  # [E, C, 2I]
+    h = torch.bmm(weight_input(experts, "gate_up_proj", x), gate_up)  # [E, C, 2I]
     if b_gate_up is not None:
         h = h + b_gate_up[:, None, :]
     h = experts._apply_gate(h)  # [E, C, I]
-    y = torch.bmm(h, down)  # [E, C, D]
+    y = torch.bmm(weight_input(experts, "down_proj", h), down)  # [E, C, D]
     return y + b_down[:, None, :] if b_down is not None else y
 
 

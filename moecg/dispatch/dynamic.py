@@ -1,5 +1,6 @@
 """`dynamic`: HF's own eager experts loop, the reference. `nonzero()` + a Python loop over hit experts: not graph-safe.
-Quantized experts (moecg.models.formats) run the same loop on their dequantized weights.
+Quantized experts (moecg.models.formats) run the same loop on their dequantized weights; with
+`model.activations=fp8_dynamic`, moecg's copy of that loop that quantizes each GEMM's input (weights.reference_loop).
 
 Dims: T tokens, K top-k, E experts, D hidden.
 """
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moecg.dispatch.base import Dispatcher, register
-from moecg.models.weights import dequantized
+from moecg.models.weights import reference_loop
 from moecg.moe_math import count_valid, route_counts, routed_mass
 
 
@@ -23,9 +24,9 @@ class Dynamic(Dispatcher):
     def forward(self, experts, hidden, idx, w, valid, counters):
         E = experts.num_experts
         idx_m, counts = route_counts(idx, valid, E)  # [T, K], [E]
-        loop = type(experts).forward.__wrapped__  # HF's own loop, whatever experts implementation is set
-        with dequantized(experts):
-            out = self._loop(loop, experts, hidden, idx, w, valid)  # [T, D]
+        # HF's own loop, whatever experts implementation is set, as the format's reference runs it
+        loop = reference_loop(experts, type(experts).forward.__wrapped__)
+        out = self._loop(loop, experts, hidden, idx, w, valid)  # [T, D]
         if counters is not None:
             counters.add_routed(counts, routed_mass(idx_m, w, E), count_valid(valid, hidden.shape[0], hidden.device))
         return out

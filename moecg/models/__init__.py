@@ -12,7 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from moecg.models.adapter import ADAPTERS, FamilyAdapter, adapter_for
 from moecg.models.checkpoint import checkpoint_format, load_checkpoint
 from moecg.models.skew import apply_router_skew, remove_router_skew
-from moecg.models.weights import dequantize_model, mark_quantized, quantize_layer, quantize_model, weight_format
+from moecg.models.weights import (activations as activations_of, dequantize_model, mark_quantized, quantize_layer,
+                                  quantize_model, set_activations, weight_format)
 from moecg.models.zoo import FAMILIES, PRESETS, family_of_config, make_config
 
 __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "TRANSFORMERS_RELEASE", "FamilyAdapter", "adapter_for",
@@ -58,6 +59,7 @@ class BuiltModel:
     dtype: torch.dtype
     build_s: float
     weights: str = "full"  # the weight format (moecg.models.formats.FORMATS)
+    activations: str = "full"  # how its block-FP8 GEMMs take their inputs (moecg.models.formats.ACTIVATIONS)
 
 
 LAYER_SEED = 1_000_003  # layer i of a build seeded `seed` draws its values from seed * LAYER_SEED + i + 1
@@ -123,9 +125,10 @@ def check_transformers(version: str | None = None) -> None:
 def build_model(preset: str | None = None, *, pretrained_path: str | None = None, num_layers: int | None = None,
                 dtype: str | None = "auto", device: str | None = "auto", seed: int = 0, router_skew: float = 0.0,
                 attn_implementation: str = "sdpa", config_overrides: dict | None = None,
-                weights: str | None = None) -> BuiltModel:
+                weights: str | None = None, activations: str = "full") -> BuiltModel:
     """Build an HF MoE model in eval mode, weights created directly on `device` in `dtype`, then stored in format
-    `weights` (moecg.models.formats.FORMATS; None: as built or as the checkpoint stores them)."""
+    `weights` (moecg.models.formats.FORMATS; None: as built or as the checkpoint stores them), its block-FP8 GEMMs
+    taking their inputs as `activations` says (moecg.models.formats.ACTIVATIONS; fp8_dynamic needs fp8_block)."""
     check_transformers()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -166,7 +169,9 @@ def build_model(preset: str | None = None, *, pretrained_path: str | None = None
         if weight_format(model) != "full":
             dequantize_model(model, adapter_for(model))
         quantize_model(model, adapter_for(model), weights)
+    set_activations(model, adapter_for(model), activations)
     apply_router_skew(model, router_skew, seed)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    return BuiltModel(model, adapter_for(model), name, family, dev, dt, time.perf_counter() - t0, weight_format(model))
+    return BuiltModel(model, adapter_for(model), name, family, dev, dt, time.perf_counter() - t0, weight_format(model),
+                      activations_of(model))

@@ -2,6 +2,11 @@
 parameters in their stored form, a quantized nn.Linear as Fp8Linear), marked, dequantized back, and read as stored
 (`stored`: a tensor, a BlockFp8 or an Mxfp4) by every path; HF's modules run a quantized model through the
 dequantizing experts implementation (`moecg_dequantized`), the reference.
+
+`model.activations` (formats.ACTIVATIONS) is marked on the same modules (`set_activations`): each Fp8Linear's `act`
+and each block-FP8 experts module's `_moecg_act`, which `stored` hands on in the BlockFp8 (`BlockFp8.input`).
+
+Dims: T tokens, K top-k, E experts, D hidden, I expert intermediate.
 """
 from __future__ import annotations
 
@@ -12,21 +17,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.integrations.moe import ExpertsInterface
 
-from moecg.models.formats import (BLOCK, FORMATS, MX_BLOCK, MX_SCALES, QUANTIZED, SCALE, BlockFp8, Mxfp4,
+from moecg.models.formats import (ACTIVATIONS, BLOCK, FORMATS, MX_BLOCK, MX_SCALES, QUANTIZED, SCALE, BlockFp8, Mxfp4,
                                   WeightFormatError, mx_quantize, placeholder, quantize, quantize_stacked)
 
 
 class Fp8Linear(nn.Module):
     """nn.Linear with a block-FP8 weight: `weight` e4m3 [N, K], `weight_scale_inv` [ceil(N/128), ceil(K/128)] fp32,
-    `bias` in the model dtype; forward = F.linear on the dequantized weight (the reference path)."""
+    `bias` in the model dtype; forward = F.linear on the input as the weight takes it (`act`: formats.ACTIVATIONS,
+    set_activations marks it) and the dequantized weight (the reference path)."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 act: str = "full"):
         super().__init__()
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.compute_dtype = dtype
+        self.act = act
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, quantizer=quantize) -> Fp8Linear:
@@ -34,13 +42,15 @@ class Fp8Linear(nn.Module):
         return cls(q, s, lin.bias, lin.weight.dtype)
 
     def stored(self) -> BlockFp8:
-        return BlockFp8(self.weight, self.weight_scale_inv, BLOCK, self.compute_dtype)
+        return BlockFp8(self.weight, self.weight_scale_inv, BLOCK, self.compute_dtype, self.act)
 
     def forward(self, x):
-        return F.linear(x, self.stored().dense(), self.bias)
+        w = self.stored()
+        return F.linear(w.input(x), w.dense(), self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_block"
+        act = "" if self.act == "full" else f", activations={self.act}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_block{act}"
 
 
 def stored(module: nn.Module, name: str = "weight"):
@@ -54,7 +64,15 @@ def stored(module: nn.Module, name: str = "weight"):
     if how == "mxfp4":
         return Mxfp4(getattr(module, name), getattr(module, name + MX_SCALES), module._moecg_dtype,
                      bool(getattr(module, "is_transposed", False)))
-    return BlockFp8(getattr(module, name), getattr(module, name + SCALE), how, module._moecg_dtype)
+    return BlockFp8(getattr(module, name), getattr(module, name + SCALE), how, module._moecg_dtype,
+                    getattr(module, "_moecg_act", "full"))
+
+
+def weight_input(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """x as the module's weight `name` takes it in its GEMM (BlockFp8.input: fp8_dynamic quantizes each row's 128-column
+    blocks, act_fake_quant; row by row, so gathered, sorted or padded rows are quantized as their tokens are)."""
+    w = stored(module, name)
+    return w.input(x) if isinstance(w, BlockFp8) else x
 
 
 def scale_name(module: nn.Module, name: str) -> str:
@@ -118,8 +136,50 @@ def _dequantizing_forward(self, *args, **kwargs):
     """HF's experts implementation the model had before quantization, on the dequantized weights (the reference; a
     moecg dispatcher, once attached, replaces it)."""
     inner = ExpertsInterface().get_interface(self._moecg_base_impl, type(self).forward.__wrapped__)
-    with dequantized(self):
-        return inner(self, *args, **kwargs)
+    return reference_loop(self, inner)(self, *args, **kwargs)
+
+
+def reference_loop(experts: nn.Module, loop):
+    """`loop` (an HF experts forward: (experts, hidden [T, D], top_k_index [T, K], top_k_weights [T, K]) -> [T, D]) as
+    the format's reference runs it: on the dequantized weights; with fp8_dynamic activations moecg's copy of HF's
+    eager loop instead (`act_experts_loop`), since HF's loops compute act(gate) * up inline and cannot quantize the
+    down projection's input."""
+    if getattr(experts, "_moecg_act", "full") == "fp8_dynamic":
+        return act_experts_loop
+
+    def run(self, *args, **kwargs):
+        with dequantized(self):
+            return loop(self, *args, **kwargs)
+
+    return run
+
+
+def act_experts_loop(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """HF's eager experts loop (its signature, its operations in its order and dtypes) on block-FP8 experts, each GEMM
+    `F.linear(w.input(x), w.dense()[e])`: the reference of `model.activations=fp8_dynamic` for HF's own experts and
+    dispatch=dynamic. hidden_states [T, D], top_k_index [T, K], top_k_weights [T, K] -> [T, D]."""
+    gate_up, down = stored(self, "gate_up_proj"), stored(self, "down_proj")
+    w_gate_up, w_down = gate_up.dense(), down.dense()  # [E, 2I, D], [E, D, I]: block-FP8 is never transposed
+    bias = getattr(self, "has_bias", False)
+    E = self.num_experts
+    out = torch.zeros_like(hidden_states)  # [T, D]
+    with torch.no_grad():
+        mask = F.one_hot(top_k_index, num_classes=E + 1).permute(2, 1, 0)  # [E + 1, K, T]; E: HF's EP sentinel
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit:
+        e = e[0]
+        if e == E:
+            continue
+        pos, tok = torch.where(mask[e])
+        h = F.linear(gate_up.input(hidden_states[tok]), w_gate_up[e], self.gate_up_proj_bias[e] if bias else None)
+        h = self._apply_gate(h)  # [n, I]
+        y = F.linear(down.input(h), w_down[e], self.down_proj_bias[e] if bias else None)  # [n, D]
+        if getattr(self, "has_post_expert_norm", False):
+            y = self.post_expert_norm(y)
+        y = y * top_k_weights[tok, pos, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
 
 
 ExpertsInterface.register(DEQUANTIZING, _dequantizing_forward)
@@ -179,6 +239,7 @@ def dequantize_model(model, adapter) -> None:
                 setattr(experts, name, nn.Parameter(w, requires_grad=False))
             base = experts._moecg_base_impl
             del experts._moecg_quant, experts._moecg_dtype, experts._moecg_base_impl
+            experts.__dict__.pop("_moecg_act", None)
             if model.config._experts_implementation == DEQUANTIZING:
                 model.set_experts_implementation(base)
         for parent in list(model.modules()):
@@ -191,10 +252,43 @@ def dequantize_model(model, adapter) -> None:
                         lin.bias.copy_(child.bias)
                     setattr(parent, name, lin)
     model._moecg_weights = "full"
+    model.__dict__.pop("_moecg_act", None)
 
 
 def weight_format(model) -> str:
     return getattr(model, "_moecg_weights", "full")
+
+
+def check_activations(act: str, fmt: str) -> None:
+    """model.activations against the weight format `fmt` the model is (or will be) stored in; the plan runs it too."""
+    if act not in ACTIVATIONS:
+        raise WeightFormatError(f"model.activations={act!r}: choose one of {', '.join(ACTIVATIONS)}")
+    if act != "full" and fmt != "fp8_block":
+        raise WeightFormatError(f"model.activations={act} quantizes the inputs of block-FP8 GEMMs, and the weights "
+                                f"here are {fmt}: add model.weights=fp8_block, or use model.activations=full")
+
+
+def set_activations(model, adapter, act: str) -> None:
+    """Mark how every block-FP8 GEMM of a block-FP8 model takes its input (formats.ACTIVATIONS, in place): each
+    Fp8Linear's `act` and each experts module's `_moecg_act`. MLA's kv_b_proj stays `full`: the absorbed step multiplies
+    its dequantized weight into q and the output per head, as DeepSeek's own inference code does, so its input is
+    never a GEMM input to quantize. dequantize_model drops the marks with the formats (plain modules, full inputs)."""
+    check_activations(act, weight_format(model))
+    keep = set()
+    if adapter.attention == "mla":
+        keep = {id(getattr(layer, adapter.attn).kv_b_proj) for layer in adapter.layers(model)}
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.act = "full" if id(module) in keep else act
+    for _, experts in adapter.moe_layers(model):
+        if any(how != "mxfp4" for how in getattr(experts, "_moecg_quant", {}).values()):
+            experts._moecg_act = act
+    model._moecg_act = act
+
+
+def activations(model) -> str:
+    """How the model's block-FP8 GEMMs take their inputs (set_activations; `full` where never set)."""
+    return getattr(model, "_moecg_act", "full")
 
 
 @contextmanager

@@ -1,0 +1,27 @@
+"""fp8_dynamic activations in the Triton kernels on CPU: the K-step rule (act_k) and the kernels under the interpreter
+(tests/triton_interp_act.py: every block-FP8 GEMM kernel with quantized inputs against the PyTorch reference, and
+whole models' fused step on the Triton ops against the same step on the reference ops)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moecg.kernels.quant import act_k
+
+
+def test_a8_k_steps_cover_whole_scale_blocks():
+    assert act_k(64, 16) == 128 and act_k(256, 16) == 128  # the tensor cores scale each 128-column MMA sum
+    assert act_k(64, 1) == 128 and act_k(1024, 1) == 1024 and act_k(2048, 2) == 2048  # CUDA cores: whole blocks
+    with pytest.raises(ValueError, match="BLOCK_K=96"):
+        act_k(96, 1)
+
+
+@pytest.mark.slow
+def test_kernels_on_quantized_inputs_under_interpreter():
+    script = Path(__file__).with_name("triton_interp_act.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900,
+                       cwd=str(script.parent))
+    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
