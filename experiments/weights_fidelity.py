@@ -97,7 +97,8 @@ def main(argv=None):
         ids = heldout_prompts(1, 1024, seed=7).to(full.device)
         ra, rb = _routes(full.model, full.adapter, ids), _routes(quant.model, quant.adapter, ids)
         flips = sum(int((a != b).any(-1).sum()) for a, b in zip(ra, rb)) / sum(a.shape[0] for a in ra)
-        row = {"model": preset, "weights": quant.weights, "activations": args.activations, "dtype": str(full.dtype).replace("torch.", ""),
+        row = {"model": preset, "weights": quant.weights, "activations": args.activations,
+               "dtype": str(full.dtype).replace("torch.", ""),
                "free_agreement": free_agree, "forced_agreement": forced_agree, "worst_flip_margin": worst,
                "median_margin": float(margin.median()), "route_flip_rate": flips,
                "weight_bytes_full": weight_bytes(full.model), "weight_bytes": weight_bytes(quant.model)}
