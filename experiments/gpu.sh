@@ -185,6 +185,10 @@ suite_activations() {  # fp8_dynamic activations (model.activations): their GPU 
     variant "qwen3_48_fp8_${a}_$r" qwen3_30b_a3b 48 --weights fp8_block --activations "$a" --batch 1 8 --repeats 3 \
       --variants $D_STEP
   done; done
+  for a in full fp8_dynamic; do  # each kernel's own time (PDL off), 12 layers
+    t "profile_qwen3_12_fp8_${a}_bs8.txt" python3 experiments/profile_step.py --preset qwen3_30b_a3b --num-layers 12 \
+      --batch 8 --weights fp8_block --activations "$a" --pdl 0 | head -16
+  done
 }
 suite_gemv() {  # the qkv / o projections at T 1-16: cuBLAS against the Triton GEMV over a grid of tiles, plain launches
   bench gemv

@@ -30,10 +30,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--weights", default=None, help="the weight format (model.weights; default: as built)")
+    ap.add_argument("--activations", default="full", help="how block-FP8 GEMMs take their inputs (model.activations)")
     ap.add_argument("--pdl", type=int, default=None, help="capture.pdl (0: off, so each kernel's time is its own; "
                     "with PDL a kernel launched early counts its wait for its predecessor)")
     args = ap.parse_args(argv)
-    built = build_model(args.preset, num_layers=args.num_layers, device="cuda", weights=args.weights)
+    built = build_model(args.preset, num_layers=args.num_layers, device="cuda", weights=args.weights,
+                        activations=args.activations)
     model = built.model
     attach(model, make_dispatcher(args.dispatch), max_rows=args.batch)
     eng = DecodeEngine(model, 256, args.batch)
@@ -42,7 +44,7 @@ def main(argv=None):
     eng.generate(prompts, 4, timing=False)
     rows = kernel_table(lambda: eng.step_impl(eng.ids, args.batch), args.steps)  # the cache goes on from above
     total = sum(r[1] for r in rows)
-    print(f"{args.preset} weights={built.weights} pdl={args.pdl} bs {args.batch} kernels={args.kernels} dispatch={args.dispatch} strategy={args.strategy}: "
+    print(f"{args.preset} weights={built.weights} activations={args.activations} pdl={args.pdl} bs {args.batch} kernels={args.kernels} dispatch={args.dispatch} strategy={args.strategy}: "
           f"{total / 1e3:.3f} ms device time per step (decode steps only)")
     print(f"{'kernel':90s} {'us/step':>9s} {'share':>6s} {'calls/step':>10s}")
     for name, t, n in rows[: args.top]:

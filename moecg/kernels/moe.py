@@ -91,8 +91,8 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
             acc = mac(x, w, acc, DOT)
         acc_g, acc_u = tl.split(tl.reshape(mac_sum(acc, DOT), [BLOCK_M, BLOCK_N, 2]))
     else:
-        acc_g = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
-        acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
+        acc_g = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
+        acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
         wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
         wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
         for k0 in range(0, D, BLOCK_K):
@@ -122,8 +122,8 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
                         u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
                     acc_g = mac(x, g, acc_g, DOT)
                     acc_u = mac(x, u, acc_u, DOT)
-        acc_g = mac_sum(acc_g, DOT)
-        acc_u = mac_sum(acc_u, DOT)
+        acc_g = mac_sum(acc_g, DOT, A8)
+        acc_u = mac_sum(acc_u, DOT, A8)
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
     if HAS_BIAS:
@@ -187,7 +187,7 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     nm = n < D
     DOT: tl.constexpr = BLOCK_M >= 16  # as up_tile's
     ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # as up_tile's
-    acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
+    acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
     k_first = k_lo
     if HAS_W0:  # the first step peeled (only here: the tl.dot tiles keep the plain loop, measured faster)
         acc = _down_step(h_ptr, rows, rmask, w0, acc, e, nb, n, nm, w_ptr, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
@@ -196,7 +196,7 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     for k0 in range(k_first, k_hi, BLOCK_K):
         acc = _down_step(h_ptr, rows, rmask, nm, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk, BLOCK_K,
                          BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, False, A8)
-    acc = mac_sum(acc, DOT)
+    acc = mac_sum(acc, DOT, A8)
     return acc, n, nm
 
 

@@ -35,12 +35,15 @@ def w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def mac_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-             ROW: tl.constexpr = 0):
-    """The accumulator mac adds into: [BLOCK_M, BLOCK_N] fp32 for tl.dot; on the CUDA cores each column's products
+             ROW: tl.constexpr = 0, A8: tl.constexpr = 0):
+    """The accumulator mac adds into: [BLOCK_M, BLOCK_N] fp32 for tl.dot ([BLOCK_N, BLOCK_M] for fp8_dot: A8, its
+    MMA's own orientation); on the CUDA cores each column's products
     kept apart until mac_sum, so the loop is one FMA per weight: [BLOCK_M, BLOCK_N, BLOCK_K], or with ROW (one row,
     fp8_row_mac's products) [BLOCK_N, BLOCK_K], the weight tile's own shape, so its values stay in the registers they
     were loaded into (on an H100 that layout made the bf16 one-row step 4% slower: bf16 keeps the 3-d one)."""
-    if DOT:
+    if DOT and A8:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    elif DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif ROW:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -64,9 +67,12 @@ def mac(x, w, acc, DOT: tl.constexpr):
 
 
 @triton.jit
-def mac_sum(acc, DOT: tl.constexpr):
-    """mac's accumulator -> [BLOCK_M, BLOCK_N] fp32 sums (the CUDA-core path adds its columns here)."""
-    if DOT:
+def mac_sum(acc, DOT: tl.constexpr, A8: tl.constexpr = 0):
+    """mac's accumulator -> [BLOCK_M, BLOCK_N] fp32 sums (the CUDA-core path adds its columns here; fp8_dot's is
+    transposed once, here)."""
+    if DOT and A8:
+        out = tl.trans(acc)
+    elif DOT:
         out = acc
     elif len(acc.shape) == 2:
         out = tl.sum(acc, axis=1)[None, :]
@@ -147,11 +153,12 @@ def act_values(q, s, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def fp8_dot(q, s, w, acc, srow_ptr, k0, s_sk, nmask, BLOCK_M: tl.constexpr):
-    """acc + (q [BLOCK_M, 128] e4m3 values (act_q8) @ w [BLOCK_N, 128]^T (e4m3 as stored)) on an FP8 MMA, times each
-    row's activation scale s [BLOCK_M, 1] and each weight row's block scale (srow_ptr [BLOCK_N], column k0 / 128)."""
+    """acc [BLOCK_N, BLOCK_M] (mac_init's with A8: transposed) + (w [BLOCK_N, 128] (e4m3 as stored) @ q [BLOCK_M,
+    128]^T (act_q8's e4m3 values)) on an FP8 MMA with the weight rows as its M (64+ rows take wgmma), times each weight
+    row's block scale (srow_ptr [BLOCK_N], column k0 / 128) and each activation row's scale s [BLOCK_M, 1]."""
     sw = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask, other=0.0)  # [BLOCK_N]
-    d = tl.trans(tl.dot(w, tl.trans(q.to(w.dtype))))  # weight rows as the MMA's M: 64+ rows take wgmma
-    return acc + d * tl.reshape(s, (BLOCK_M,))[:, None] * sw[None, :]
+    d = tl.dot(w, tl.trans(q.to(w.dtype)))  # [BLOCK_N, BLOCK_M]
+    return acc + d * sw[:, None] * tl.reshape(s, (BLOCK_M,))[None, :]
 
 
 def check_block_k(block_k: int) -> int:

@@ -181,9 +181,17 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pad[..., :N, :K] = w.float()
     blocks = pad.view(*lead, nb, BLOCK, kb, BLOCK)
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., nb, kb]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, _div(amax, FP8_MAX), torch.ones_like(amax))
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(*lead, nb * BLOCK, kb * BLOCK)
     return q[..., :N, :K].to(FP8).contiguous(), scale.contiguous()
+
+
+def _div(a, b) -> torch.Tensor:
+    """a / b in IEEE fp32 on every device: both as tensors, since CUDA divides a tensor by a Python scalar as a
+    multiplication by its reciprocal (its last bit differs from the quotient's on about half the values)."""
+    t = a if isinstance(a, torch.Tensor) else b
+    return torch.div(torch.as_tensor(a, dtype=torch.float32, device=t.device).expand_as(t),
+                     torch.as_tensor(b, dtype=torch.float32, device=t.device).expand_as(t))
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,8 +206,8 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = pad.view(*x.shape[:-1], kb, BLOCK)
     amax = blocks.abs().amax(dim=-1)  # [..., kb]
     nz = amax > 0
-    scale = torch.where(nz, amax / FP8_MAX, torch.ones_like(amax))
-    inv = torch.where(nz, FP8_MAX / torch.where(nz, amax, torch.ones_like(amax)), torch.ones_like(amax))
+    scale = torch.where(nz, _div(amax, FP8_MAX), torch.ones_like(amax))
+    inv = torch.where(nz, _div(FP8_MAX, torch.where(nz, amax, torch.ones_like(amax))), torch.ones_like(amax))
     q = (blocks * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).view(*x.shape[:-1], kb * BLOCK)[..., :K]
     return q.to(FP8).contiguous(), scale
 
