@@ -22,7 +22,7 @@ from moecg.capture import Capture  # noqa: E402
 from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
-from moecg.kernels.quant import act_q8  # noqa: E402
+from moecg.kernels.quant import act_q8, quantize_rows  # noqa: E402
 from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 from moecg.models.formats import act_quant, quantize_stacked  # noqa: E402
@@ -36,6 +36,18 @@ def _close(a, b, tol=2e-2):
 
 def _a8(w):
     return replace(w, act="fp8_dynamic")
+
+
+def _close_flips(a, b):
+    """Two computations of a GEMM chain whose second input is quantized (the MoE's down projection takes act(gate) *
+    up in e4m3): the kernel's gate/up (exact e4m3 products) and the reference's (operands rounded to bf16 first) differ
+    by a bf16 ulp here and there, and such an input that lands on the other side of an e4m3 midpoint, or moves its
+    block's amax, moves the output by an e4m3 step times a weight. So: nearly every value within bf16 rounding, the
+    rest within a few such steps, and the whole within 1% of its norm."""
+    a, b = a.float(), b.float()
+    far = ((a - b).abs() > 2e-2 + 2e-2 * b.abs()).float().mean()
+    assert far < 0.02 and float((a - b).abs().max()) < 0.15, (float(far), float((a - b).abs().max()))
+    assert float((a - b).norm() / b.norm()) < 1e-2
 
 
 @triton.jit
@@ -58,9 +70,15 @@ def test_in_kernel_quantization_is_act_quant_bit_for_bit(dtype):
     x = x.to(dtype)
     q = torch.empty(16, 300, dtype=torch.float8_e4m3fn, device="cuda")
     s = torch.empty(16, 4, device="cuda")
-    _act_q8_kernel[(1,)](x, q, s, 300, BLOCK_M=16, BLOCK_K=512)
+    _act_q8_kernel[(1,)](x, q, s, 300, BLOCK_M=16, BLOCK_K=512)  # 16 rows a program, as the CUDA-core tiles
     rq, rs = act_quant(x)
-    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s[:, :3], rs)
+    cq, cs = act_quant(x.cpu())  # the reference is the same on every device
+    assert torch.equal(rq.cpu().view(torch.uint8), cq.view(torch.uint8)) and torch.equal(rs.cpu(), cs)
+    for got_q, got_s in ((q, s[:, :3]), quantize_rows(x)):  # quantize_rows: one row a program
+        bad = (got_q.view(torch.uint8) != rq.view(torch.uint8)).nonzero().tolist()[:4]
+        detail = [(i, j, float(x[i, j]), float(got_q[i, j].float()), float(rq[i, j].float()), float(got_s[i, j // 128]),
+                   float(rs[i, j // 128])) for i, j in bad]
+        assert not bad and torch.equal(got_s, rs), (detail, (got_s != rs).nonzero().tolist()[:4])
 
 
 @pytest.mark.parametrize("T", [1, 8, 33])
@@ -90,10 +108,10 @@ def test_moe_and_capacity_kernels_on_quantized_inputs_are_the_reference(shape, T
     want = ref.moe_experts(x, idx, w, gate_up, down)
     t = moe_tiles(T, D, I, E, "fp8_block")
     for tiles in (t, replace(t, up_k=256, down_k=256, stages=3), MoeTiles(block_m=16, down_split=2)):
-        _close(tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles), want)
+        _close_flips(tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles), want)
     for cf in (0.5, 1.0):
-        _close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf),
-               ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf))
+        _close_flips(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf),
+                     ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf))
 
 
 @pytest.mark.parametrize("preset", ["qwen3_moe_tiny", "qwen2_moe_tiny", "deepseek_v3_tiny"])

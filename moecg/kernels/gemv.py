@@ -18,7 +18,7 @@ import triton.language as tl
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
 from moecg.kernels.quant import (act_k, act_q8, act_values, check_block_k, dequant_tile, fp8_dot, fp8_row_mac, mac,
-                                 mac_init, mac_sum, w_tile)
+                                 mac_init, mac_sum, quantize_rows, w_tile)
 from moecg.models.formats import BlockFp8
 
 
@@ -69,16 +69,27 @@ def silu_mul(gu, inter: int):
 @triton.jit
 def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr,
-               A8: tl.constexpr):
-    """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format)."""
+               A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs):
+    """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format).
+    A8 on the tensor cores: x's e4m3 values and scales from q_ptr / qs_ptr (quant.quantize_rows)."""
     k = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & (k < k_hi)[None, :], other=0.0)
-    if A8:
-        xq, xs = act_q8(x, t.shape[0], BLOCK_K)
-        x = act_values(xq, xs, t.shape[0], BLOCK_K)  # the CUDA-core products' x (unused on the tensor cores)
     if A8 and DOT:
+        xq = tl.load(q_ptr + t[:, None] * s_qt + k[None, :], mask=tm[:, None] & (k < k_hi)[None, :], other=0.0)
+        xs = tl.load(qs_ptr + t * s_qs + k0 // 128, mask=tm, other=1.0)[:, None]
         acc = fp8_dot(xq, xs, w, acc, ws_ptr + (n // QROWS) * s_sn, k0, s_sk, nm, t.shape[0])
-    elif ROW_SCALE:
+    else:
+        x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & (k < k_hi)[None, :], other=0.0)
+        if A8:  # on the CUDA cores: quantized here, then fp32 products of the values times their scales
+            xq, xs = act_q8(x, t.shape[0], BLOCK_K)
+            x = act_values(xq, xs, t.shape[0], BLOCK_K)
+        acc = _gemv_mac(x, w, acc, k0, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
+    return acc
+
+
+@triton.jit
+def _gemv_mac(x, w, acc, k0, K, ws_ptr, n, nm, s_sn, s_sk, QROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr):
+    if ROW_SCALE:
         acc = fp8_row_mac(x, w, acc, ws_ptr + (tl.program_id(0) * BLOCK_N // QROWS) * s_sn, k0, K, s_sk, BLOCK_K)
     else:
         if QROWS:
@@ -91,7 +102,8 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_s
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
                  s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0,
-                 SPLIT: tl.constexpr = 1, kper=0, s_ys=0, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0):
+                 SPLIT: tl.constexpr = 1, kper=0, s_ys=0, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
+                 q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT > 1:  # program_id(1) is the K split (one head): columns [sp * kper, (sp + 1) * kper) of K
         sp = tl.program_id(1)
@@ -117,11 +129,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     ROW_SCALE: tl.constexpr = (BLOCK_T == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # one row: x scaled (fp8_row_mac)
     acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
     acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k_lo, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N, BLOCK_K,
-                     DOT, ROW_SCALE, A8)  # every split has columns (linear_partials): the first step always runs
+                     DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs)  # every split has columns (linear_partials): the first step always runs
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
         acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
-                         BLOCK_K, DOT, ROW_SCALE, A8)
+                         BLOCK_K, DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs)
     acc = mac_sum(acc, DOT, A8)
     if HAS_BIAS:  # split: once, in the first split's partial
         b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
@@ -203,7 +215,7 @@ def linear_partials(x, w, bias=None, tiles=None):
     S = triton.cdiv(K, kper)
     y = torch.empty(S, T, N, dtype=torch.float32, device=x.device)
     q, extra = (w.q, {"ws_ptr": w.scale, "s_sn": w.scale.stride(0), "s_sk": w.scale.stride(1), "QROWS": w.rows,
-                      "A8": _a8(w)}) if fp8 else (w, {})
+                      **_a8_inputs(x, w, rows)}) if fp8 else (w, {})
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), S, triton.cdiv(T, rows)), x, q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), q.stride(0), y.stride(1),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
@@ -214,6 +226,15 @@ def linear_partials(x, w, bias=None, tiles=None):
 
 def _a8(w: BlockFp8) -> int:
     return int(w.act == "fp8_dynamic")
+
+
+def _a8_inputs(x, w: BlockFp8, rows: int) -> dict:
+    """The A8 kernel arguments: on the tensor cores (rows >= 16) x's e4m3 values and scales, quantized once here
+    (quant.quantize_rows); on the CUDA cores the kernel quantizes itself."""
+    if not (_a8(w) and rows >= 16):
+        return {"A8": _a8(w)}
+    q, s = quantize_rows(x)
+    return {"A8": 1, "q_ptr": q, "qs_ptr": s, "s_qt": q.stride(0), "s_qs": s.stride(0)}
 
 
 def _fp8_k(block_k: int, w: BlockFp8, rows: int) -> int:
@@ -232,7 +253,8 @@ def _linear_fp8(x, w, bias, tiles):
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, rows)), x, w.q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), w.q.stride(0), y.stride(0),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=_fp8_k(t.block_k, w, rows),
-           num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows, A8=_a8(w),
+           num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows,
+           **_a8_inputs(x, w, rows),
            **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y
 

@@ -17,7 +17,7 @@ import triton.language as tl
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
 from moecg.kernels.quant import (act_k, act_q8, act_values, check_block_k, check_mx_k, dequant_tile, fp8_dot,
-                                 fp8_row_mac, mac, mac_init, mac_sum, mx_dot, w_tile)
+                                 fp8_row_mac, mac, mac_init, mac_sum, mx_dot, quantize_rows, w_tile)
 from moecg.models.formats import BlockFp8, Mxfp4
 
 
@@ -56,13 +56,14 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
              dt: tl.constexpr, K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr,
              ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, PAIRED: tl.constexpr = 0,
-             A8: tl.constexpr = 0):
+             A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     """act(gate, up) of assignments `rows` [BLOCK_M] (token = row // K) for expert e's columns block nb
     -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask).
     QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.formats), each tile
     dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot.
-    A8 (block-FP8 weights): x quantized to e4m3 per row and 128 columns first (fp8_dynamic activations,
-    moecg.kernels.quant.act_q8), each K step an FP8 MMA (fp8_dot), or on the CUDA cores fp32 products of its values.
+    A8 (block-FP8 weights, fp8_dynamic activations): on the tensor cores x's e4m3 values and scales from q_ptr / qs_ptr
+    (quant.quantize_rows, once per layer), each K step an FP8 MMA (fp8_dot); on the CUDA cores x quantized here
+    (quant.act_q8), then fp32 products of its values.
     MX: the weights are mxfp4, packed [E, 2I, D / 2] (s_wk: a byte's stride) with scales ws [E, 2I, D / 32]
     (moecg.kernels.quant.mx_dot).
     PAIRED (interleaved gate/up, JM 2 JU 1; bf16 / fp32 weights): the 2 x BLOCK_N columns g0 u0 g1 u1 .. as one
@@ -98,10 +99,14 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         for k0 in range(0, D, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < D
-            x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            if A8:
-                xq, xs = act_q8(x, BLOCK_M, BLOCK_K)
-                x = act_values(xq, xs, BLOCK_M, BLOCK_K)  # the CUDA-core products' x (unused on the tensor cores)
+            if A8 and DOT:
+                xq = tl.load(q_ptr + tok[:, None] * s_qt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+                xs = tl.load(qs_ptr + tok * s_qs + k0 // 128, mask=rmask, other=1.0)[:, None]
+            else:
+                x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+                if A8:
+                    xq, xs = act_q8(x, BLOCK_M, BLOCK_K)
+                    x = act_values(xq, xs, BLOCK_M, BLOCK_K)  # the CUDA-core products' x
             if MX:
                 we = w_ptr + e.to(tl.int64) * s_we
                 acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
@@ -146,15 +151,19 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
 def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk,
                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr,
                ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, HAS_W: tl.constexpr,
-               A8: tl.constexpr):
+               A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs):
     """acc + h rows `rows` at columns k0 .. of I times the weights of those columns: w (HAS_W, loaded by the caller)
-    or loaded here after h (mxfp4: mx_dot loads its own)."""
+    or loaded here after h (mxfp4: mx_dot loads its own). A8: as up_tile's."""
     kk = k0 + tl.arange(0, BLOCK_K)
     km = kk < k_hi
-    h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-    if A8:  # as up_tile's
-        hq, hs = act_q8(h, h.shape[0], BLOCK_K)
-        h = act_values(hq, hs, h.shape[0], BLOCK_K)
+    if A8 and DOT:
+        hq = tl.load(q_ptr + rows[:, None] * s_qt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        hs = tl.load(qs_ptr + rows * s_qs + k0 // 128, mask=rmask, other=1.0)[:, None]
+    else:
+        h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        if A8:
+            hq, hs = act_q8(h, h.shape[0], BLOCK_K)
+            h = act_values(hq, hs, h.shape[0], BLOCK_K)
     if MX:
         acc = mx_dot(h, acc, w_ptr + e.to(tl.int64) * s_we, n, s_wn, s_wk, ws_ptr + e.to(tl.int64) * s_se, s_sj,
                      s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
@@ -162,7 +171,7 @@ def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, 
         if not HAS_W:
             w = w_tile(w_ptr + e.to(tl.int64) * s_we, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
         if A8 and DOT:
-            acc = fp8_dot(hq, hs, w, acc, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, s_sk, nm, h.shape[0])
+            acc = fp8_dot(hq, hs, w, acc, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, s_sk, nm, rows.shape[0])
         elif ROW_SCALE:
             acc = fp8_row_mac(h, w, acc, ws_ptr + e.to(tl.int64) * s_se + (nb * BLOCK_N // QROWS) * s_sj, k0,
                               k_hi, s_sk, BLOCK_K)
@@ -178,7 +187,7 @@ def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, 
 def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, w0=None, HAS_W0: tl.constexpr = 0,
-              A8: tl.constexpr = 0):
+              A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     """The unrounded fp32 down-projection sum over I in [k_lo, k_hi) (never empty) of h rows `rows` for output
     columns block nb -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask). QROWS > 0: e4m3 weights, MX:
     mxfp4 ones ([E, D, I / 2]), as up_tile's. HAS_W0: w0 is the first K step's weight tile (quant.w_tile), loaded by the
@@ -191,11 +200,13 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     k_first = k_lo
     if HAS_W0:  # the first step peeled (only here: the tl.dot tiles keep the plain loop, measured faster)
         acc = _down_step(h_ptr, rows, rmask, w0, acc, e, nb, n, nm, w_ptr, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
-                         BLOCK_K, BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, True, A8)
+                         BLOCK_K, BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, True, A8, q_ptr, qs_ptr,
+                         s_qt, s_qs)
         k_first = k_lo + BLOCK_K
     for k0 in range(k_first, k_hi, BLOCK_K):
         acc = _down_step(h_ptr, rows, rmask, nm, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk, BLOCK_K,
-                         BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, False, A8)
+                         BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, False, A8, q_ptr, qs_ptr,
+                         s_qt, s_qs)
     acc = mac_sum(acc, DOT, A8)
     return acc, n, nm
 
@@ -214,11 +225,12 @@ def _down_round(acc, e, n, nm, b_ptr, s_be, dt: tl.constexpr, HAS_BIAS: tl.const
 def down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
                dt: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
-               A8: tl.constexpr = 0):
+               A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     """Expert e's down projection of h rows `rows` for output columns block nb, rounded (and biased) as HF
     -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask); the caller applies the routing weight."""
     acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
-                           BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, A8=A8)
+                           BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, A8=A8, q_ptr=q_ptr,
+                           qs_ptr=qs_ptr, s_qt=s_qt, s_qs=s_qs)
     return _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS), n, nm
 
 
@@ -250,7 +262,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                    USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
-                   PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0):
+                   PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     mb = tl.program_id(1)
@@ -282,7 +294,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
         dt = h_ptr.dtype.element_ty
         hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
                              limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
-                             QROWS, MX, PAIRED, A8)
+                             QROWS, MX, PAIRED, A8, q_ptr, qs_ptr, s_qt, s_qs)
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
@@ -291,7 +303,8 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                      k_chunk, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, HAS_VALID: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk,
-                     QROWS: tl.constexpr, MX: tl.constexpr, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0):
+                     QROWS: tl.constexpr, MX: tl.constexpr, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
+                     q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     """SPLIT > 1 (split-K over I, for batch-1 steps whose column blocks alone are too few programs): each of a
     tile's SPLIT programs stores its fp32 partial sum, and the last to finish (a per-tile counter) adds the
     partials in split order, so the result is deterministic and rounded once, as without splits; it then
@@ -330,7 +343,8 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
         dt = h_ptr.dtype.element_ty
         if SPLIT == 1:
             acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, w0, PRE, A8)
+                                   BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, w0, PRE, A8,
+                                   q_ptr, qs_ptr, s_qt, s_qs)
             o = _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS)
             tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
@@ -338,7 +352,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
             k_lo = ks * k_chunk
             acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, tl.minimum(k_lo + k_chunk, I),
                                    s_hs, s_we, s_wn, s_wk, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS,
-                                   MX, w0, PRE, A8)
+                                   MX, w0, PRE, A8, q_ptr, qs_ptr, s_qt, s_qs)
             om = rmask[:, None] & nm[None, :]
             tile_off = rows[:, None] * D + n[None, :]  # part: [SPLIT, S, D] fp32
             tl.store(part_ptr + ks * S * D + tile_off, acc, mask=om)
@@ -369,6 +383,15 @@ def _scale_args(w, transposed: bool):
     s = w.scale
     return {"ws_ptr": s, "s_se": s.stride(0), "s_sj": s.stride(1), "s_sk": s.stride(2), "QROWS": w.rows, "MX": 0,
             "A8": int(w.act == "fp8_dynamic")}, w.q
+
+
+def a8_inputs(x, scale: dict, rows: int) -> dict:
+    """The A8 kernel arguments of a GEMM input x [T, K] (scale: _scale_args'): on the tensor cores (rows >= 16) its e4m3
+    values and scales, quantized once here (quant.quantize_rows); on the CUDA cores the kernels quantize themselves."""
+    if not (scale["A8"] and rows >= 16):
+        return {}
+    q, s = quantize_rows(x)
+    return {"q_ptr": q, "qs_ptr": s, "s_qt": q.stride(0), "s_qs": s.stride(0)}
 
 
 def quant_k(block_k: int, scale: dict, rows: int) -> int:
@@ -453,7 +476,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=a.jm, JU=a.ju, PAIRED=a.paired(t),
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale, bm), BLOCK_S=64, num_warps=t.warps,
-        num_stages=t.stages, **a.up_scale, **pdl_args(x.device, t.pdl_trigger))
+        num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale, bm), **pdl_args(x.device, t.pdl_trigger))
     n_blocks = triton.cdiv(D, t.down_n)
     down_k = quant_k(t.down_k, a.down_scale, bm)
     if split > 1:
@@ -468,5 +491,6 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         sems, S, int(by_slot), D, inter, k_chunk, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
         HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=down_k, BLOCK_S=64,
-        num_warps=t.warps, num_stages=t.stages, **a.down_scale, **pdl_args(x.device, t.pdl_trigger, preload=True))
+        num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale, bm),
+        **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y

@@ -20,8 +20,11 @@ Dims: BLOCK_M activation rows, BLOCK_N weight rows of the tile, BLOCK_K columns 
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from moecg.kernels.launch import launch, pdl_args, pdl_enter
 
 
 @triton.jit
@@ -159,6 +162,34 @@ def fp8_dot(q, s, w, acc, srow_ptr, k0, s_sk, nmask, BLOCK_M: tl.constexpr):
     sw = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask, other=0.0)  # [BLOCK_N]
     d = tl.dot(w, tl.trans(q.to(w.dtype)))  # [BLOCK_N, BLOCK_M]
     return acc + d * sw[:, None] * tl.reshape(s, (BLOCK_M,))[None, :]
+
+
+ROWS_BLOCK = 512  # columns one quantize_rows program takes (4 scale blocks)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, T, K, s_xt, s_qt, s_st, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + t * s_xt + k, mask=k < K, other=0.0)[None, :]
+    q, sc = act_q8(x, 1, BLOCK)
+    tl.store(q_ptr + t * s_qt + k[None, :], q.to(q_ptr.dtype.element_ty), mask=(k < K)[None, :])
+    j = tl.program_id(1) * (BLOCK // 128) + tl.arange(0, BLOCK // 128)
+    tl.store(s_ptr + t * s_st + j[None, :], sc, mask=(j * 128 < K)[None, :])
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (q [T, K] e4m3, s [T, ceil(K / 128)] fp32): moecg.models.formats.act_quant on the GPU, once per
+    GEMM input, so the tensor-core A8 tiles load e4m3 values and scales (fp8_dot) instead of each program quantizing
+    every row it reads again."""
+    T, K = x.shape
+    assert x.stride(1) == 1
+    q = torch.empty(T, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(T, triton.cdiv(K, 128), dtype=torch.float32, device=x.device)
+    launch(_quantize_rows_kernel, (T, triton.cdiv(K, ROWS_BLOCK)), x, q, s, T, K, x.stride(0), q.stride(0),
+           s.stride(0), BLOCK=ROWS_BLOCK, num_warps=4, **pdl_args(x.device))
+    return q, s
 
 
 def check_block_k(block_k: int) -> int:
