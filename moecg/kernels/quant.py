@@ -124,12 +124,15 @@ def fp8_row_mac(x, w, acc, s_ptr, k0, K, s_sk, BLOCK_K: tl.constexpr):
 def e4m3_round(y):
     """fp32 y (|y| <= 448) -> the nearest e4m3 value (ties to even), in fp32: adding and taking back 2^(e + 20) (e:
     y's exponent, at least -6, the subnormal step's) leaves y rounded to 3 mantissa bits by the fp32 adder's own
-    rounding. Exact arithmetic, so the interpreter (whose fp32 -> e4m3 cast differs from torch's) and the GPU agree."""
+    rounding. Exact arithmetic, so the interpreter (whose fp32 -> e4m3 cast differs from torch's) and the GPU agree.
+    y's sign goes back on as a bit (a negative value that rounds to zero stays -0, as torch's cast gives it; a
+    negation here may be compiled as 0 - r, which is +0)."""
+    yb = y.to(tl.int32, bitcast=True)
     a = tl.abs(y)
-    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 255, 121)  # biased exponent, 121: 2^-6
+    e = tl.maximum((yb >> 23) & 255, 121)  # biased exponent, 121: 2^-6
     c = ((e + 20) << 23).to(tl.float32, bitcast=True)
     r = (a + c) - c
-    return tl.where(y < 0, -r, r)
+    return (r.to(tl.int32, bitcast=True) | ((yb >> 31) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
