@@ -28,7 +28,8 @@ import triton.language as tl
 
 from moecg.moe_math import DROP_POLICIES, capacity
 from moecg.kernels.launch import dry_zeros, launch, p2
-from moecg.kernels.moe import ExpertArgs, a8_inputs, down_tile, quant_k, up_tile
+from moecg.kernels.moe import ExpertArgs, down_tile, quant_k, up_tile
+from moecg.kernels.quant import a8_inputs
 from moecg.kernels.tiles import moe_tiles
 
 BLOCK_T = 64  # tokens per ranking chunk: one chunk at every decode bucket up to 64
@@ -253,12 +254,12 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
         K=K, KP=KP, HAS_VALID=has_valid, COUNT=cnt, JM=a.jm, JU=a.ju, PAIRED=a.paired(t),
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=t.block_m, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale, t.block_m), BLOCK_T=BLOCK_T,
-        num_warps=t.warps, num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale, t.block_m))
+        num_warps=t.warps, num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], t.block_m))
     launch(_cap_down_kernel, (E, m_blocks, triton.cdiv(D, t.down_n)),
         h, wc, down, down_bias if down_bias is not None else h, y, slots, n_kept, keep,
         C, D, inter, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, KP=KP, RENORM=bool(renormalize),
         HAS_BIAS=down_bias is not None, BLOCK_M=t.block_m, BLOCK_N=t.down_n,
         BLOCK_K=quant_k(t.down_k, a.down_scale, t.block_m),
-        num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale, t.block_m))
+        num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale["A8"], t.block_m))
     return y

@@ -17,8 +17,8 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
-from moecg.kernels.quant import (act_k, act_q8, act_values, check_block_k, dequant_tile, fp8_dot, fp8_row_mac, mac,
-                                 mac_init, mac_sum, quantize_rows, w_tile)
+from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, check_block_k, dequant_tile, fp8_dot, fp8_row_mac, mac,
+                                 mac_init, mac_sum, w_tile)
 from moecg.models.formats import BlockFp8
 
 
@@ -57,8 +57,8 @@ def silu_mul(gu, inter: int):
 # strided view, s_wk its K stride); the plain linear has one head and s_wk 1.
 # A block-FP8 weight (QROWS > 0: e4m3 values, fp32 scales ws [N / QROWS, K / 128], moecg.models.formats) is
 # dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot;
-# program_id(2) then takes BLOCK_T rows each, so any T runs it. A8 (fp8_dynamic activations): x quantized per row and
-# 128 columns at each K step, then an FP8 MMA (moecg.kernels.quant.fp8_dot) or fp32 products of its values.
+# program_id(2) then takes BLOCK_T rows each, so any T runs it. A8 (fp8_dynamic activations): x's e4m3 values and
+# scales (moecg.kernels.quant.a8_tile), then an FP8 MMA (fp8_dot) or fp32 products of its values.
 # Split-K (linear_partials, GemvTiles.split_k = S > 1): program_id(1) takes one of S column ranges of K (a whole
 # number of K steps each) and stores its fp32 partial row; the consumer (add_rmsnorm, norm_route) adds the S
 # partials in order and rounds once, so the projection's output is rounded once as in linear, from the same fp32
@@ -73,23 +73,10 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_s
     """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format).
     A8 on the tensor cores: x's e4m3 values and scales from q_ptr / qs_ptr (quant.quantize_rows)."""
     k = k0 + tl.arange(0, BLOCK_K)
+    x, xq, xs = a8_tile(x_ptr, t, tm, s_xt, k0, k, k < k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
     if A8 and DOT:
-        xq = tl.load(q_ptr + t[:, None] * s_qt + k[None, :], mask=tm[:, None] & (k < k_hi)[None, :], other=0.0)
-        xs = tl.load(qs_ptr + t * s_qs + k0 // 128, mask=tm, other=1.0)[:, None]
         acc = fp8_dot(xq, xs, w, acc, ws_ptr + (n // QROWS) * s_sn, k0, s_sk, nm, t.shape[0])
-    else:
-        x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=tm[:, None] & (k < k_hi)[None, :], other=0.0)
-        if A8:  # on the CUDA cores: quantized here, then fp32 products of the values times their scales
-            xq, xs = act_q8(x, t.shape[0], BLOCK_K)
-            x = act_values(xq, xs, t.shape[0], BLOCK_K)
-        acc = _gemv_mac(x, w, acc, k0, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N, BLOCK_K, DOT, ROW_SCALE)
-    return acc
-
-
-@triton.jit
-def _gemv_mac(x, w, acc, k0, K, ws_ptr, n, nm, s_sn, s_sk, QROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr):
-    if ROW_SCALE:
+    elif ROW_SCALE:
         acc = fp8_row_mac(x, w, acc, ws_ptr + (tl.program_id(0) * BLOCK_N // QROWS) * s_sn, k0, K, s_sk, BLOCK_K)
     else:
         if QROWS:
@@ -129,7 +116,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     ROW_SCALE: tl.constexpr = (BLOCK_T == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # one row: x scaled (fp8_row_mac)
     acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
     acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k_lo, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N, BLOCK_K,
-                     DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs)  # every split has columns (linear_partials): the first step always runs
+                     DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt,
+                     s_qs)  # every split has columns (linear_partials): the first step always runs
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
         acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
@@ -215,7 +203,7 @@ def linear_partials(x, w, bias=None, tiles=None):
     S = triton.cdiv(K, kper)
     y = torch.empty(S, T, N, dtype=torch.float32, device=x.device)
     q, extra = (w.q, {"ws_ptr": w.scale, "s_sn": w.scale.stride(0), "s_sk": w.scale.stride(1), "QROWS": w.rows,
-                      **_a8_inputs(x, w, rows)}) if fp8 else (w, {})
+                      "A8": _a8(w), **a8_inputs(x, _a8(w), rows)}) if fp8 else (w, {})
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), S, triton.cdiv(T, rows)), x, q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), q.stride(0), y.stride(1),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
@@ -226,15 +214,6 @@ def linear_partials(x, w, bias=None, tiles=None):
 
 def _a8(w: BlockFp8) -> int:
     return int(w.act == "fp8_dynamic")
-
-
-def _a8_inputs(x, w: BlockFp8, rows: int) -> dict:
-    """The A8 kernel arguments: on the tensor cores (rows >= 16) x's e4m3 values and scales, quantized once here
-    (quant.quantize_rows); on the CUDA cores the kernel quantizes itself."""
-    if not (_a8(w) and rows >= 16):
-        return {"A8": _a8(w)}
-    q, s = quantize_rows(x)
-    return {"A8": 1, "q_ptr": q, "qs_ptr": s, "s_qt": q.stride(0), "s_qs": s.stride(0)}
 
 
 def _fp8_k(block_k: int, w: BlockFp8, rows: int) -> int:
@@ -254,7 +233,7 @@ def _linear_fp8(x, w, bias, tiles):
            bias if bias is not None else y, y, T, N, K, x.stride(0), w.q.stride(0), y.stride(0),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=_fp8_k(t.block_k, w, rows),
            num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows,
-           **_a8_inputs(x, w, rows),
+           A8=_a8(w), **a8_inputs(x, _a8(w), rows),
            **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y
 

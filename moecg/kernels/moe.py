@@ -16,8 +16,8 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
-from moecg.kernels.quant import (act_k, act_q8, act_values, check_block_k, check_mx_k, dequant_tile, fp8_dot,
-                                 fp8_row_mac, mac, mac_init, mac_sum, mx_dot, quantize_rows, w_tile)
+from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, check_block_k, check_mx_k, dequant_tile, fp8_dot,
+                                 fp8_row_mac, mac, mac_init, mac_sum, mx_dot, w_tile)
 from moecg.models.formats import BlockFp8, Mxfp4
 
 
@@ -99,14 +99,7 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         for k0 in range(0, D, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < D
-            if A8 and DOT:
-                xq = tl.load(q_ptr + tok[:, None] * s_qt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-                xs = tl.load(qs_ptr + tok * s_qs + k0 // 128, mask=rmask, other=1.0)[:, None]
-            else:
-                x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-                if A8:
-                    xq, xs = act_q8(x, BLOCK_M, BLOCK_K)
-                    x = act_values(xq, xs, BLOCK_M, BLOCK_K)  # the CUDA-core products' x
+            x, xq, xs = a8_tile(x_ptr, tok, rmask, s_xt, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
             if MX:
                 we = w_ptr + e.to(tl.int64) * s_we
                 acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
@@ -156,14 +149,7 @@ def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, 
     or loaded here after h (mxfp4: mx_dot loads its own). A8: as up_tile's."""
     kk = k0 + tl.arange(0, BLOCK_K)
     km = kk < k_hi
-    if A8 and DOT:
-        hq = tl.load(q_ptr + rows[:, None] * s_qt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        hs = tl.load(qs_ptr + rows * s_qs + k0 // 128, mask=rmask, other=1.0)[:, None]
-    else:
-        h = tl.load(h_ptr + rows[:, None] * s_hs + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        if A8:
-            hq, hs = act_q8(h, h.shape[0], BLOCK_K)
-            h = act_values(hq, hs, h.shape[0], BLOCK_K)
+    h, hq, hs = a8_tile(h_ptr, rows, rmask, s_hs, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
     if MX:
         acc = mx_dot(h, acc, w_ptr + e.to(tl.int64) * s_we, n, s_wn, s_wk, ws_ptr + e.to(tl.int64) * s_se, s_sj,
                      s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
@@ -171,7 +157,8 @@ def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, 
         if not HAS_W:
             w = w_tile(w_ptr + e.to(tl.int64) * s_we, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
         if A8 and DOT:
-            acc = fp8_dot(hq, hs, w, acc, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, s_sk, nm, rows.shape[0])
+            acc = fp8_dot(hq, hs, w, acc, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, s_sk, nm,
+                          rows.shape[0])
         elif ROW_SCALE:
             acc = fp8_row_mac(h, w, acc, ws_ptr + e.to(tl.int64) * s_se + (nb * BLOCK_N // QROWS) * s_sj, k0,
                               k_hi, s_sk, BLOCK_K)
@@ -385,15 +372,6 @@ def _scale_args(w, transposed: bool):
             "A8": int(w.act == "fp8_dynamic")}, w.q
 
 
-def a8_inputs(x, scale: dict, rows: int) -> dict:
-    """The A8 kernel arguments of a GEMM input x [T, K] (scale: _scale_args'): on the tensor cores (rows >= 16) its e4m3
-    values and scales, quantized once here (quant.quantize_rows); on the CUDA cores the kernels quantize themselves."""
-    if not (scale["A8"] and rows >= 16):
-        return {}
-    q, s = quantize_rows(x)
-    return {"q_ptr": q, "qs_ptr": s, "s_qt": q.stride(0), "s_qs": s.stride(0)}
-
-
 def quant_k(block_k: int, scale: dict, rows: int) -> int:
     """The K step of a GEMM of `rows` rows a program, checked where its weights are block-FP8
     (moecg.kernels.quant.check_block_k; with fp8_dynamic activations act_k's) and made whole 32-column groups where
@@ -476,7 +454,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=a.jm, JU=a.ju, PAIRED=a.paired(t),
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale, bm), BLOCK_S=64, num_warps=t.warps,
-        num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale, bm), **pdl_args(x.device, t.pdl_trigger))
+        num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], bm), **pdl_args(x.device, t.pdl_trigger))
     n_blocks = triton.cdiv(D, t.down_n)
     down_k = quant_k(t.down_k, a.down_scale, bm)
     if split > 1:
@@ -491,6 +469,6 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         sems, S, int(by_slot), D, inter, k_chunk, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
         HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=down_k, BLOCK_S=64,
-        num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale, bm),
+        num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale["A8"], bm),
         **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y

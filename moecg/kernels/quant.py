@@ -7,10 +7,11 @@ reference does (fp32 products rounded once to the compute dtype), so a kernel's 
   e2m1 operand to bf16 times its scale, exact, in the MMA's operand layout: 1.6x the register decode's speed, measured
   by experiments/bench_mx_tile.py); other dtypes: the register decode (mx_tile), then tl.dot.
 
-fp8_dynamic activations (A8, moecg.models.formats.act_quant, with block-FP8 weights): each K step quantizes its x tile
-per row and 128 columns (act_q8, the reference's arithmetic: IEEE quotients, round to nearest even e4m3), then on the
-tensor cores an FP8 MMA of the e4m3 values times both scales (fp8_dot, BLOCK_K 128), or on the CUDA cores fp32
-products of the values times their scales (act_values), the weight side as without A8.
+fp8_dynamic activations (A8, moecg.models.formats.act_quant, with block-FP8 weights; the input tile of a K step:
+a8_tile): on the tensor cores the GEMM input comes quantized once (quantize_rows, its kernel arguments a8_inputs)
+and each K step of 128 columns is an FP8 MMA of the e4m3 values times both scales (fp8_dot); on the CUDA cores each
+K step quantizes its x tile per row and 128 columns (act_q8, the reference's arithmetic: IEEE quotients, round to
+nearest even e4m3), then fp32 products of the values times their scales (act_values), the weight side as without A8.
 
 Also the product every GEMM tile loop shares (mac, mac_sum): on the tensor cores (tl.dot, 16 rows or more) or, for
 fewer rows (batch 1), as fp32 products on the CUDA cores, with no padded rows and no change of the weight tile's layout.
@@ -167,6 +168,28 @@ def fp8_dot(q, s, w, acc, srow_ptr, k0, s_sk, nmask, BLOCK_M: tl.constexpr):
     return acc + d * sw[:, None] * tl.reshape(s, (BLOCK_M,))[None, :]
 
 
+@triton.jit
+def a8_tile(x_ptr, rows, rmask, s_xt, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8: tl.constexpr, DOT: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """A GEMM's input tile, rows `rows` (masked by rmask) at columns kk (masked by km, from k0) -> (x, xq, xs): x for
+    the CUDA-core products (mac, fp8_row_mac), xq / xs the e4m3 values and [rows, 1] scales for fp8_dot. A8 on the
+    tensor cores: loaded from quantize_rows' output (q_ptr, qs_ptr; x unused); A8 on the CUDA cores: x quantized here
+    (act_q8) and x its values times their scales; no A8: x as stored (xq, xs unused)."""
+    if A8 and DOT:
+        xq = tl.load(q_ptr + rows[:, None] * s_qt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        xs = tl.load(qs_ptr + rows * s_qs + k0 // 128, mask=rmask, other=1.0)[:, None]
+        x = xq
+    else:
+        x = tl.load(x_ptr + rows[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        if A8:
+            xq, xs = act_q8(x, rows.shape[0], BLOCK_K)
+            x = act_values(xq, xs, rows.shape[0], BLOCK_K)
+        else:
+            xq = x
+            xs = x
+    return x, xq, xs
+
+
 ROWS_BLOCK = 512  # columns one quantize_rows program takes (4 scale blocks)
 
 
@@ -193,6 +216,16 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     launch(_quantize_rows_kernel, (T, triton.cdiv(K, ROWS_BLOCK)), x, q, s, T, K, x.stride(0), q.stride(0),
            s.stride(0), BLOCK=ROWS_BLOCK, num_warps=4, **pdl_args(x.device))
     return q, s
+
+
+def a8_inputs(x: torch.Tensor, a8: int, rows: int) -> dict:
+    """The kernel arguments of a GEMM input x [T, K] for a8_tile: on the tensor cores (A8, rows >= 16 a program) its
+    e4m3 values and scales, quantized once here (quantize_rows); elsewhere none (the CUDA-core tiles quantize
+    themselves)."""
+    if not (a8 and rows >= 16):
+        return {}
+    q, s = quantize_rows(x)
+    return {"q_ptr": q, "qs_ptr": s, "s_qt": q.stride(0), "s_qs": s.stride(0)}
 
 
 def check_block_k(block_k: int) -> int:

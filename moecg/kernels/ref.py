@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moecg.models.formats import BlockFp8
-from moecg.models.weights import dense
+from moecg.models.weights import dense, gemm_input
 from moecg.moe_math import add_counters, assign_slots, count_valid, kept_weights, route_counts, routed_mass
 
 
@@ -272,12 +271,7 @@ def linear(x, w, bias=None, tiles=None):
     rounded once. w: a tensor, or a block-FP8 weight (moecg.models.formats.BlockFp8), dequantized first (and x taken
     as the weight takes it: BlockFp8.input). tiles: the Triton GEMV's tile choice (moecg.kernels.tiles.GemvTiles); no
     meaning here."""
-    return F.linear(_input(w, x), dense(w), bias)
-
-
-def _input(w, x):
-    """x as a stored weight's GEMM takes it (a block-FP8 weight with fp8_dynamic activations: fake-quantized)."""
-    return w.input(x) if isinstance(w, BlockFp8) else x
+    return F.linear(gemm_input(w, x), dense(w), bias)
 
 
 def router_logits(h, w):
@@ -337,7 +331,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     """
     T, K = idx.shape
     transposed = spec is not None and spec.transposed
-    x_in = _input(gate_up, x)  # one row per token: quantized per token, as each expert's GEMM takes it
+    x_in = gemm_input(gate_up, x)  # one row per token: quantized per token, as each expert's GEMM takes it
     down_stored = down
     gate_up, down = dense(gate_up), dense(down)  # block-FP8 weights: the format's reference dequantization
     E = gate_up.shape[0]
@@ -348,7 +342,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     gu = torch.bmm(xs, wg)  # [S, 1, 2I]
     if gate_up_bias is not None:
         gu = gu + gate_up_bias[sel][:, None, :]
-    h = _input(down_stored, expert_act(gu, spec))  # [S, 1, I]
+    h = gemm_input(down_stored, expert_act(gu, spec))  # [S, 1, I]
     wd = down[sel] if transposed else down[sel].transpose(1, 2)  # [S, I, D]
     y = torch.bmm(h, wd)  # [S, 1, D] model dtype
     if down_bias is not None:

@@ -71,13 +71,17 @@ def stored(module: nn.Module, name: str = "weight"):
 def weight_input(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
     """x as the module's weight `name` takes it in its GEMM (BlockFp8.input: fp8_dynamic quantizes each row's 128-column
     blocks, act_fake_quant; row by row, so gathered, sorted or padded rows are quantized as their tokens are)."""
-    w = stored(module, name)
-    return w.input(x) if isinstance(w, BlockFp8) else x
+    return gemm_input(stored(module, name), x)
 
 
 def scale_name(module: nn.Module, name: str) -> str:
     """The attribute holding a quantized parameter's scales (`<name>_scale_inv` or `<name>_scales`)."""
     return name + (MX_SCALES if module._moecg_quant[name] == "mxfp4" else SCALE)
+
+
+def gemm_input(w, x: torch.Tensor) -> torch.Tensor:
+    """x as a stored weight's GEMM takes it (the reference): a block-FP8 weight's BlockFp8.input, else x itself."""
+    return w.input(x) if isinstance(w, BlockFp8) else x
 
 
 def dense(w) -> torch.Tensor:
