@@ -120,7 +120,7 @@ def set_variant(v: dict) -> None:
     tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
     f = v.get("gemv_tiles")
     tiles_mod.fp8_gemv_tiles = FP8_GEMV_TILES if not f else (
-        lambda T, N, K: dataclasses.replace(FP8_GEMV_TILES(T, N, K), **f))
+        lambda T, N, K, a8=False: dataclasses.replace(FP8_GEMV_TILES(T, N, K, a8), **f))
     fn = v.get("gemv_new")
     tiles_mod.gemv_tiles = GEMV_TILES if not (f or fn) else (
         lambda T, N, K: dataclasses.replace(GEMV_TILES(T, N, K) or tiles_mod.GemvTiles(), **f) if f else

@@ -10,10 +10,13 @@ the experts only, so it has no GEMV rows). us per call: --copies distinct weight
 experts it hits, values + scales) over that time. Each FP8 output is checked against the dequantize-then-matmul
 reference (max abs error printed).
 GPT-OSS-120B's experts: --hidden 2880 --inter 2880 --experts 128 --top-k 4.
+--activations fp8_dynamic: the block-FP8 weights take quantized inputs (W8A8: each kernel's A8 path, K steps of 128
+on the tensor cores), over a grid of its own (column tiles, stages, warps, split-K for the GEMVs); --ops picks rows.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -60,6 +63,11 @@ QUANTIZERS = {"fp8_block": lambda w, parts: quantize_stacked(w, parts, BF),
               "mxfp4": lambda w, parts: Mxfp4(*mx_quantize(w), BF)}
 
 
+def act_fn(activations: str):
+    """A quantized weight set as the kernels take it with these activations (BlockFp8.act; mxfp4 has no A8 path)."""
+    return lambda w: dataclasses.replace(w, act=activations) if isinstance(w, BlockFp8) else w
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -71,6 +79,13 @@ def main(argv=None):
     ap.add_argument("--copies", type=int, default=6)
     ap.add_argument("--formats", nargs="+", default=["fp8_block", "mxfp4"], choices=sorted(QUANTIZERS))
     ap.add_argument("--skip-gemv", action="store_true", help="the MoE rows only")
+    ap.add_argument("--activations", default="full", choices=["full", "fp8_dynamic"],
+                    help="the block-FP8 weights' inputs (model.activations)")
+    ap.add_argument("--ops", nargs="+", default=["moe_experts", "capacity_experts", "qkv", "o"],
+                    choices=["moe_experts", "capacity_experts", "qkv", "o"])
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--stages", nargs="+", type=int, default=None,
+                    help="the GEMV grid's pipeline stages (default 3 4; with fp8_dynamic 3 4 6)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -89,7 +104,9 @@ def main(argv=None):
     # -- MoE ------------------------------------------------------------------------------------------------------
     full = [(torch.randn(E, 2 * I, D, device="cuda", generator=g).to(BF) * 0.02,
              torch.randn(E, D, I, device="cuda", generator=g).to(BF) * 0.02) for _ in range(C)]
-    quant = {f: [(QUANTIZERS[f](gu.float(), 2), QUANTIZERS[f](dn.float(), 1)) for gu, dn in full] for f in args.formats}
+    act = act_fn(args.activations)
+    quant = {f: [(act(QUANTIZERS[f](gu.float(), 2)), act(QUANTIZERS[f](dn.float(), 1))) for gu, dn in full]
+             for f in args.formats}
     variants = [MoeTiles(up_k=256, down_k=256, stages=3), MoeTiles(stages=6), MoeTiles(stages=3),
                 MoeTiles(up_n=128, down_n=128, stages=3), MoeTiles(up_n=32, down_n=32, stages=6),
                 MoeTiles(up_k=64, down_k=64, stages=8), MoeTiles(warps=8), MoeTiles(up_k=256, down_k=256, warps=8,
@@ -105,13 +122,17 @@ def main(argv=None):
            MoeTiles(block_m=1, up_n=16, up_k=512, down_n=16, down_k=512, warps=8, stages=3),
            MoeTiles(block_m=1, up_n=32, up_k=256, down_n=32, down_k=256, warps=8, stages=3),
            MoeTiles(block_m=2, up_n=16, up_k=256, down_n=16, down_k=256, stages=3)]
-    for T in (1, 8):
+    if args.activations != "full":  # K steps of 128 on the tensor cores: more columns or stages instead
+        variants = [MoeTiles(up_n=n, down_n=dn_, stages=st, warps=wp) for n, dn_, wp in ((64, 64, 4), (128, 64, 4),
+                                                                                   (128, 64, 8), (128, 128, 8))
+                    for st in (3, 4, 6)]
+    for T in args.tokens if {"moe_experts", "capacity_experts"} & set(args.ops) else ():
         x = torch.randn(T, D, device="cuda", generator=g).to(BF)
         idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
         w = torch.rand(T, K, device="cuda", generator=g).to(BF)
         hit = idx.unique().long()
         t0 = moe_tiles(T, D, I, E)
-        for fmt, sets, tile_set in cases(full, quant, t0, variants, fma):
+        for fmt, sets, tile_set in cases(full, quant, t0, variants, fma) if "moe_experts" in args.ops else ():
             gb = nbytes(sets[0][0], hit) + nbytes(sets[0][1], hit)
             for t in tile_set:
                 t = MoeTiles(**{**t.__dict__, "down_split": t0.down_split})
@@ -121,7 +142,7 @@ def main(argv=None):
                     err = float((fns[0]() - ref.moe_experts(x, idx, w, *sets[0])).abs().max())
                 row("moe_experts", T, fmt, t, us, gb, err)
         # capacity: every expert's weights once
-        if T == 8:
+        if T == 8 and "capacity_experts" in args.ops:
             for fmt, sets, tile_set in cases(full, quant, t0, variants, fma):
                 gb = nbytes(sets[0][0]) + nbytes(sets[0][1])
                 for t in tile_set:
@@ -131,28 +152,35 @@ def main(argv=None):
     del full, quant
     torch.cuda.empty_cache()
     # -- GEMVs ----------------------------------------------------------------------------------------------------
-    for name, N, Kd in () if args.skip_gemv or "fp8_block" not in args.formats else (("qkv", args.qkv, D),
-                                                                                    ("o", D, args.o_in)):
+    gemvs = [(n, N, Kd) for n, N, Kd in (("qkv", args.qkv, D), ("o", D, args.o_in)) if n in args.ops]
+    for name, N, Kd in () if args.skip_gemv or "fp8_block" not in args.formats else gemvs:
         ws = [torch.randn(N, Kd, device="cuda", generator=g).to(BF) * 0.02 for _ in range(C * 4)]
-        qs = [quantize_stacked(wi.float(), 1, BF) for wi in ws]
+        qs = [act(quantize_stacked(wi.float(), 1, BF)) for wi in ws]
         grid = [GemvTiles(bn, bk, wp, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for wp in (4, 8)
-                for st in (3, 4)]
+                for st in args.stages or (3, 4)]
+        if args.activations != "full":  # the A8 tensor-core K step is 128 whatever block_k says: columns, stages, split-K
+            grid = [GemvTiles(bn, 128, wp, st, split_k=sk) for bn, wp in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))
+                    for st in args.stages or (3, 4, 6) for sk in ((1, 2, 4) if name == "o" and bn <= 64 else (1,))]
         # one row a program, its products on the CUDA cores (batch 1): an accumulator of block_n x block_k fp32
         fma = [GemvTiles(bn, bk, wp, st, rows=1) for bn, bk in ((8, 256), (16, 256), (8, 512), (16, 512), (32, 128),
                                                                 (4, 1024)) for wp in (4, 8) for st in (3, 4)]
-        for T in (1, 8):
+        for T in args.tokens:
             x = torch.randn(T, Kd, device="cuda", generator=g).to(BF)
             row(name, T, "bf16", "ops.linear", time_us([lambda wi=wi: tri.linear(x, wi) for wi in ws]), nbytes(ws[0]))
             for t in fma if T == 1 else ():  # the Triton GEMV on bf16 weights, one row a program
                 row(name, T, "bf16", t, time_us([lambda wi=wi, t=t: tri.linear(x, wi, tiles=t) for wi in ws]),
                     nbytes(ws[0]))
-            for t in grid + (fma if T == 1 else []):
-                fns = [lambda wi=wi, t=t: tri.linear(x, wi, tiles=t) for wi in qs]
+            for t in (grid if T > 2 or args.activations == "full" else []) + (fma if T <= 2 else []):
+                # split-K: the fp32 partial rows (the consumer, add_rmsnorm / norm_route, adds them), summed here
+                op = (lambda x, w, t: tri.linear_partials(x, w, tiles=t)) if t.split_k > 1 else \
+                    (lambda x, w, t: tri.linear(x, w, tiles=t))
+                fns = [lambda wi=wi, t=t, op=op: op(x, wi, t) for wi in qs]
                 us = time_us(fns)
-                err = float((fns[0]() - ref.linear(x, qs[0])).abs().max()) if us == us else None
+                out = (lambda y: y.sum(1).to(BF) if t.split_k > 1 else y)(fns[0]()) if us == us else None
+                err = float((out - ref.linear(x, qs[0])).abs().max()) if us == us else None
                 row(name, T, "fp8_block", t, us, nbytes(qs[0]), err)
     lines = [f"Quantized GEMM kernels, {env_fields()['device_name']}: D {D}, I {I}, E {E}, K {K}; qkv {args.qkv} x {D}, "
-             f"o {D} x {args.o_in}; {C} weight sets cycled per graph", "",
+             f"o {D} x {args.o_in}; {C} weight sets cycled per graph; activations {args.activations}", "",
              "| op | T | weights | tiles | us | GB/s | max abs err vs reference |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.2e}"

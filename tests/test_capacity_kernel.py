@@ -177,6 +177,13 @@ def test_tile_table():
     assert moe_tiles(1, 2880, 2880, 128, "full") == MoeTiles(up_n=32, stages=3)
     with pytest.raises(KeyError):
         moe_tiles(1, 2880, 2880, 128, "fp4")
+    # the block-FP8 GEMV: quantized inputs (a8) take their own rules on the tensor cores (2-16 rows), batch 1 and
+    # more than 16 rows keep the weight-only table's
+    from moecg.kernels.tiles import CORE_GEMV_FP8, FP8_GEMV_DEFAULT, GemvTiles, fp8_gemv_tiles
+    assert fp8_gemv_tiles(8, 5120, 2048, a8=True) == GemvTiles(64, 128, 4, 6)
+    assert fp8_gemv_tiles(2, 2048, 4096, a8=True) == fp8_gemv_tiles(16, 2048, 4096, a8=True) == GemvTiles(32, 128, 4, 6)
+    assert fp8_gemv_tiles(1, 5120, 2048, a8=True) == fp8_gemv_tiles(1, 5120, 2048) == CORE_GEMV_FP8
+    assert fp8_gemv_tiles(17, 5120, 2048, a8=True) == fp8_gemv_tiles(8, 5120, 2048) == FP8_GEMV_DEFAULT
 
 
 def _interp(section, timeout=600):
@@ -332,6 +339,14 @@ def test_kernels_compile_for_hopper():
                                          QROWS=128, A8=1), **f8)
         build(gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=bm, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=2, QROWS=128, A8=1),
               **f8)
+    from moecg.kernels.quant import act_k
+    from moecg.kernels.tiles import FP8_A8_GEMV_RULES
+    for rule in FP8_A8_GEMV_RULES:  # the A8 GEMV's own tiles (six stages): within an H100's 227 KB of shared memory
+        t = rule.tiles
+        k = compile_sm90(gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=16, BLOCK_N=t.block_n,
+                                                 BLOCK_K=act_k(t.block_k, 16), USE_PDL=2, QROWS=128, A8=1, SPLIT=1,
+                                                 PRELOAD=1), t.stages, **f8)
+        assert 0 < k.metadata.shared <= 227 * 1024, (t, k.metadata.shared)
     build(cap._cap_up_kernel, dict(K=8, KP=8, HAS_VALID=False, COUNT=True, JM=1, JU=768, HAS_BIAS=False, ACT=0,
                                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64, QROWS=128, A8=1), stages=3, **f8)
     build(cap._cap_down_kernel, dict(K=8, KP=8, RENORM=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,

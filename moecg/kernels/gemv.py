@@ -181,7 +181,7 @@ def table_tiles(x, w):
     otherwise (None: cuBLAS)."""
     T, K = x.shape
     if isinstance(w, BlockFp8):
-        return _tiles.fp8_gemv_tiles(T, w.q.shape[0], K)
+        return _tiles.fp8_gemv_tiles(T, w.q.shape[0], K, bool(_a8(w)))
     return _tiles.gemv_tiles(T, w.shape[0], K)
 
 
@@ -224,7 +224,7 @@ def _fp8_k(block_k: int, w: BlockFp8, rows: int) -> int:
 def _linear_fp8(x, w, bias, tiles):
     T, K = x.shape
     N = w.q.shape[0]
-    t = tiles or _tiles.fp8_gemv_tiles(T, N, K)
+    t = tiles or _tiles.fp8_gemv_tiles(T, N, K, bool(_a8(w)))
     assert x.stride(1) == 1 and w.q.stride(1) == 1 and (bias is None or bias.stride(0) == 1)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     s = w.scale

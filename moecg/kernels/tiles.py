@@ -188,8 +188,21 @@ FP8_GEMV_RULES: tuple[GemvRule, ...] = (
 )
 
 
-def fp8_gemv_tiles(T: int, N: int, K: int) -> GemvTiles:
-    return _first(FP8_GEMV_RULES, FP8_GEMV_DEFAULT, T, N, K)
+# With fp8_dynamic activations (a8) the tensor-core tiles step K by 128 (one FP8 MMA and its two scales a step,
+# quant.act_k), so each stage moves a quarter of the bytes of the 512-wide steps above: six stages and wider column
+# blocks keep as many bytes in flight. bench_weights_kernels.py --activations fp8_dynamic on an H100 (T 8,
+# experiments/results/activations/kernels_a8.md): qkv 5120 x 2048 8.4 us on 64 columns x 6 stages against 9.7 on the
+# table's 32 x 3; o 2048 x 4096 11.4 on 32 x 6 against 15.0 on 16 x 3; every column width ran faster with 6 stages
+# than 4 and with 4 than 3; split-K (2, 4) slower. Up to 16 rows (one tl.dot row block); other shapes not measured.
+FP8_A8_GEMV_RULES: tuple[GemvRule, ...] = (
+    GemvRule(GemvTiles(32, 128, 4, 6), tokens=(2, 17), out=(0, 2049)),
+    GemvRule(GemvTiles(64, 128, 4, 6), tokens=(2, 17)),
+)
+
+
+def fp8_gemv_tiles(T: int, N: int, K: int, a8: bool = False) -> GemvTiles:
+    """The block-FP8 GEMV's tiles for x [T, K] @ w [N, K]^T; a8: its inputs quantized (fp8_dynamic) first."""
+    return _first((*(FP8_A8_GEMV_RULES if a8 else ()), *FP8_GEMV_RULES), FP8_GEMV_DEFAULT, T, N, K)
 
 
 # The absorbed MLA step's per-head projections (gemv.head_linear): W_UK's view [H, C, Dn] of kv_b_proj (N stride 1:
