@@ -1,14 +1,11 @@
 """fp8_dynamic activations in the Triton kernels on CPU: the K-step rule (act_k) and the kernels under the interpreter
 (tests/triton_interp_act.py: every block-FP8 GEMM kernel with quantized inputs against the PyTorch reference, and
 whole models' fused step on the Triton ops against the same step on the reference ops)."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from moecg.kernels.quant import act_k
+from interp_runner import run_interp  # tests/
 
 
 def test_a8_k_steps_cover_whole_scale_blocks():
@@ -20,8 +17,4 @@ def test_a8_k_steps_cover_whole_scale_blocks():
 
 @pytest.mark.slow
 def test_kernels_on_quantized_inputs_under_interpreter():
-    script = Path(__file__).with_name("triton_interp_act.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900,
-                       cwd=str(script.parent))
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    run_interp("triton_interp_act.py", timeout=900)

@@ -9,8 +9,6 @@ against the reference, against the padded path on every family's experts, and th
 """
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +21,8 @@ from moecg.engine import DecodeEngine
 from moecg.kernels import ref
 from moecg.kernels.tiles import DEFAULT, MOE_TILE_RULES, MoeTiles, TileRule, moe_tiles
 from moecg.models import build_model
+from interp_runner import HAS_TRITON, run_interp  # tests/
 
-HAS_TRITON = subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode == 0
 COUNTS = ("routed", "dropped", "tokens", "lost_all", "capacity", "calls")
 
 
@@ -187,12 +185,7 @@ def test_tile_table():
 
 
 def _interp(section, timeout=600):
-    script = Path(__file__).with_name("capacity_interp_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, str(script), section], capture_output=True, text=True, env=env,
-                       timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "ALL OK" in r.stdout
+    run_interp("capacity_interp_check.py", section, timeout=timeout)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")

@@ -4,9 +4,6 @@ with emulated graphs, its validation, and the Triton kernels under Triton's CPU 
 Dims: B rows, V vocab, E experts, K top-k.
 """
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ from moecg.engine import DecodeEngine
 from moecg.fast import FastDecode, FastPathError, check_supported
 from moecg.kernels import get_ops, ref
 from moecg.models import build_model
+from interp_runner import needs_triton, run_interp  # tests/
 
 PRESETS = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny"]
 
@@ -183,13 +181,8 @@ def test_reference_ops_round_like_hf_rmsnorm_and_router():
     assert torch.equal(w, (top.values / top.values.sum(-1, keepdim=True)).to(torch.bfloat16))
 
 
-@pytest.mark.skipif(subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode != 0,
-                    reason="triton not installed")
+@needs_triton
 def test_triton_kernels_under_interpreter():
     """The Triton kernels themselves, on CPU through TRITON_INTERPRET=1 (fp32): every op against its reference,
     the MoE kernel with pad rows and counters, and a whole model's fused decode against the torch backend."""
-    script = Path(__file__).with_name("triton_interp_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "ALL OK" in r.stdout
+    run_interp("triton_interp_check.py")

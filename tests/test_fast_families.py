@@ -6,10 +6,7 @@ Dims: T tokens, B rows, D hidden, Hq/Hkv heads, Dh head dim, R rotary dims, E ex
 Tiny models get random biases, correction biases and sinks (HF initialises them to zero, which would hide a dropped
 term) and a small swiglu_limit, so GPT-OSS's clamps bite.
 """
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +19,7 @@ from moecg.fast import FastDecode
 from moecg.kernels import ref
 from moecg.models import build_model
 from model_terms import randomise_terms  # tests/
+from interp_runner import needs_triton, run_interp  # tests/
 
 S, NEW, LEN = 7, 10, 48
 LOGIT_TOL = 1e-4  # fp32: different GEMM shapes and accumulation orders than HF's modules
@@ -277,13 +275,8 @@ def test_dropped_terms_show():
     detach(model)
 
 
-@pytest.mark.skipif(subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode != 0,
-                    reason="triton not installed")
+@needs_triton
 def test_triton_kernels_under_interpreter():
     """The new Triton kernels (rope variants, sinks, both routers, biased interleaved experts, cast-last norm) on CPU
     through TRITON_INTERPRET=1 against their references, and each family's fused decode, Triton ops == torch ops."""
-    script = Path(__file__).with_name("triton_interp_families.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "ALL OK" in r.stdout
+    run_interp("triton_interp_families.py")

@@ -9,10 +9,6 @@ bound; the Triton kernels against their references under Triton's CPU interprete
 
 Dims: T tokens, B rows, V vocab.
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +19,7 @@ from moecg.engine import DecodeEngine
 from moecg.fast import FastDecode
 from moecg.models import build_model
 from model_terms import randomise_terms  # tests/
+from interp_runner import needs_triton, run_interp  # tests/
 
 S, NEW, LEN = 7, 8, 48
 LOGIT_TOL = 1e-4  # fp32: the absorbed products and different GEMM shapes than HF's modules
@@ -157,15 +154,9 @@ def test_fused_weights_are_views_but_one_copy():
         L.bcat.numel() * 4 for L in fast.layers if L.bcat is not None)
 
 
-@pytest.mark.skipif(subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode != 0,
-                    reason="triton not installed")
+@needs_triton
 def test_triton_latent_kernels_under_interpreter():
-    script = Path(__file__).with_name("triton_interp_mla.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "ALL OK" in r.stdout
+    run_interp("triton_interp_mla.py")
 
 
 def test_mla_tile_and_split_rules():

@@ -81,8 +81,8 @@ def test_dry_ops_record_and_return_zeros():
 
 def _precompile(launches) -> dict:
     pre = triton_ops.Precompiler()
-    for launch in launches:
-        pre.submit(*launch)
+    for args in launches:
+        pre.submit(*args)
     return pre.wait()
 
 

@@ -6,7 +6,6 @@ runs, with sliding windows, under emulated capture, joins and leaves included. T
 checked against their references (and the references row by row against the one-position form) under Triton's
 CPU interpreter (tests/triton_interp_ragged.py).
 """
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from moecg.models import build_model
 from moecg.ragged import RaggedEngine
 
 from test_ragged import L, NEW, PROMPT_LENS, _run
+from interp_runner import run_interp  # tests/
 
 FUSED_PRESETS = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny", "glm4_moe_tiny", "olmoe_tiny", "gpt_oss_tiny",
                  "deepseek_v3_tiny", "deepseek_v2_tiny", "mixtral_tiny_swa", "qwen2_moe_tiny_swa", "qwen3_moe_tiny_swa"]
@@ -96,10 +96,7 @@ def test_ragged_ops_reference_row_by_row():
 
 
 def test_triton_ragged_kernels_under_interpreter():
-    script = Path(__file__).with_name("triton_interp_ragged.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    run_interp("triton_interp_ragged.py")
 
 
 def test_ragged_cost_benchmark_smoke(tmp_path):

@@ -2,9 +2,6 @@
 model with the reference-dequantized weights, checkpoints in the published layout, the floor's bytes, refusals (CPU;
 the Triton kernels under the interpreter: tests/triton_interp_weights.py)."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +22,7 @@ from moecg.models.formats import (BLOCK, FP4_VALUES, FP8, FP8_MAX, BlockFp8, Mxf
                                   fuse_rows, mx_dequantize, mx_quantize, quantize)
 from moecg.models.weights import Fp8Linear, dequantize_model, stored, weight_bytes
 from moecg.plan import PlanError, resolve_plan
+from interp_runner import run_interp  # tests/
 
 CONF_DIR = Path(moecg.__file__).parent / "conf"
 FAMILIES = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny_dense", "deepseek_v3_tiny", "deepseek_v2_tiny",
@@ -326,11 +324,7 @@ def test_results_record_the_format_and_its_bytes():
 
 
 def test_triton_kernels_on_quantized_weights_under_interpreter():
-    script = Path(__file__).with_name("triton_interp_weights.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900,
-                       cwd=str(script.parent))
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    run_interp("triton_interp_weights.py", timeout=900)
 
 
 def test_quantized_runs_on_every_strategy_and_kernel_path(preset="deepseek_v3_tiny"):
