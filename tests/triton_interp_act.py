@@ -103,6 +103,47 @@ for T, K, cf in ((6, 2, 0.5), (3, 2, 1.0)):
         close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf, tiles=tiles), want, 1e-4)
 
 print("moe + capacity", round(time.time() - T0, 1), "s")
+# inputs quantized by their producer (the norms' `quant`): the norm kernels' act_quant is the reference's, bit for bit
+# (ragged D, D under one 128-column block); the GEMMs reading it (xq) give the bits of quantizing x themselves, on the
+# tensor cores and the CUDA cores, in the GEMV, the MoE and the capacity kernels
+
+
+def same_quant(a, b):
+    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+
+
+for T, Dn in ((3, 320), (2, 64), (1, 256)):
+    y, res, nw = torch.randn(T, 2, Dn), torch.randn(T, Dn), torch.rand(Dn) + 0.5
+    y[0, :, :min(Dn, 128)] = 0  # an all-zero block of the normed row (with res zero there too): scale 1
+    res[0, :min(Dn, 128)] = 0
+    got, want = tri.add_rmsnorm(y, res, nw, 1e-6, quant=True), ref.add_rmsnorm(y, res, nw, 1e-6, quant=True)
+    close(got[1], want[1], 1e-5)
+    assert len(got) == len(want) == 3
+    same_quant(got[2], ref.act_quant(got[1]))  # the kernel's rows quantized as act_quant does
+    rw = torch.randn(8, Dn)
+    y, res = torch.randn(T, 2, Dn), torch.randn(T, Dn)  # no all-zero row: its router logits would all tie
+    gr = tri.norm_route(y, res, nw, 1e-6, rw, 2, True, torch.float32, quant=True)
+    wr = ref.norm_route(y, res, nw, 1e-6, rw, 2, True, torch.float32, quant=True)
+    assert len(gr) == len(wr) == 5 and torch.equal(gr[2], wr[2])
+    same_quant(gr[4], ref.act_quant(gr[1]))
+for T, N, K in ((1, 96, 320), (5, 64, 256)):
+    wa = a8(quantize_stacked(torch.randn(N, K), 1))
+    x = torch.randn(T, K)
+    xq = ref.act_quant(x)
+    for tiles in (GemvTiles(32, 128, 4, 3), GemvTiles(4, 256, rows=1), GemvTiles(16, 128, rows=1)):
+        assert torch.equal(tri.linear(x, wa, tiles=tiles, xq=xq), tri.linear(x, wa, tiles=tiles)), tiles
+for T, K in ((1, 2), (4, 2)):
+    x = torch.randn(T, D)
+    xq = ref.act_quant(x)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    for tiles in (MoeTiles(block_m=16, up_n=32, up_k=128, down_n=64, down_k=128),
+                  MoeTiles(block_m=1, up_n=32, up_k=128, down_n=16, down_k=128, down_split=2)):
+        assert torch.equal(tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles, xq=xq),
+                           tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles)), tiles
+        assert torch.equal(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=1.0, tiles=tiles, xq=xq),
+                           tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=1.0, tiles=tiles)), tiles
+print("producer quantization", round(time.time() - T0, 1), "s")
 # bf16 activations: within bf16 rounding of the reference (the kernel multiplies the e4m3 values exactly where the
 # reference rounds q * scale and the dequantized weight to bf16)
 xb = torch.randn(3, D, dtype=torch.bfloat16)
@@ -115,7 +156,7 @@ for tiles in (GemvTiles(64, 128, 4, 3), GemvTiles(16, 128, rows=1)):
 # whole models: the fused step on the Triton ops against the same step on the torch ops (the reference ops), with
 # every block-FP8 GEMM's input quantized (standard attention's fused qkv, o, shared experts, dense first layers, MLA's
 # fused projections; MLA's kv_b_proj takes its input as it is)
-for preset in ("qwen2_moe_tiny", "deepseek_v3_tiny"):
+for preset in ("qwen2_moe_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny"):
     t0 = time.time()
     model = build_model(preset, dtype="fp32", device="cpu", seed=4, weights="fp8_block",
                         activations="fp8_dynamic").model

@@ -58,8 +58,9 @@ class Capacity(Dispatcher, TritonPath):
     def forward(self, experts, hidden, idx, w, valid, counters):
         return self._padded(experts, hidden, idx, w, valid, counters).sum(1).to(hidden.dtype)  # [T, D]
 
-    def unreduced(self, experts, hidden, idx, w, valid, counters):
-        """[T, K, D] fp32 weighted expert outputs (dropped assignments and pad rows zero); the fused step sums them."""
+    def unreduced(self, experts, hidden, idx, w, valid, counters, xq=None):
+        """[T, K, D] fp32 weighted expert outputs (dropped assignments and pad rows zero); the fused step sums them.
+        xq: as Dropless.unreduced's."""
         if self.use_triton(experts, hidden, idx):
             from moecg.kernels import capacity as capacity_kernels  # Triton: optional, imported only where it runs
 
@@ -69,7 +70,7 @@ class Capacity(Dispatcher, TritonPath):
                 hidden, idx.contiguous(), w, *(stored(experts, n) for n in EXPERT_PARAMS), valid, counters,
                 capacity_factor=self.capacity_factor, drop_policy=self.drop_policy, min_capacity=self.min_capacity,
                 renormalize=self.renormalize, spec=spec, gate_up_bias=experts.gate_up_proj_bias if bias else None,
-                down_bias=experts.down_proj_bias if bias else None)
+                down_bias=experts.down_proj_bias if bias else None, xq=xq)
         return self._padded(experts, hidden, idx, w, valid, counters)
 
     def _padded(self, experts, hidden, idx, w, valid, counters):

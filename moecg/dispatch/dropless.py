@@ -23,8 +23,10 @@ class Dropless(Dispatcher):
     def forward(self, experts, hidden, idx, w, valid, counters):
         return self.unreduced(experts, hidden, idx, w, valid, counters).sum(1).to(hidden.dtype)  # [T, D]
 
-    def unreduced(self, experts, hidden, idx, w, valid, counters):
-        """[T, K, D] fp32 weighted expert outputs (pad rows zero); forward() sums them over K in fp32."""
+    def unreduced(self, experts, hidden, idx, w, valid, counters, xq=None):
+        """[T, K, D] fp32 weighted expert outputs (pad rows zero); forward() sums them over K in fp32. xq: hidden's
+        act_quant from its producer (the fused step's norms), which the Triton kernels read instead of quantizing
+        hidden for experts taking fp8_dynamic inputs; the PyTorch paths quantize hidden themselves (the same values)."""
         T, K = idx.shape
         E = experts.num_experts
         idx_m, counts = route_counts(idx, valid, E)  # [T, K], [E]

@@ -24,7 +24,7 @@ class Fused(Dropless, TritonPath):
     name = "fused"
     graph_safe = True
 
-    def unreduced(self, experts, hidden, idx, w, valid, counters):
+    def unreduced(self, experts, hidden, idx, w, valid, counters, xq=None):
         if self.use_triton(experts, hidden, idx):
             from moecg.kernels import triton_ops  # Triton: optional, imported only where it runs
 
@@ -33,5 +33,5 @@ class Fused(Dropless, TritonPath):
             return triton_ops.moe_experts(hidden, idx.contiguous(), w, *(stored(experts, n) for n in EXPERT_PARAMS),
                                           valid, counters, spec=spec,
                                           gate_up_bias=experts.gate_up_proj_bias if bias else None,
-                                          down_bias=experts.down_proj_bias if bias else None)
+                                          down_bias=experts.down_proj_bias if bias else None, xq=xq)
         return super().unreduced(experts, hidden, idx, w, valid, counters)

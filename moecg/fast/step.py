@@ -50,10 +50,16 @@ from moecg.kernels import get_ops, ref
 from moecg.fast.layers import FastPathError, FusedLayer, LayerBuilder, norm_eps
 # what the fused step runs is declared beside the family facts (models/adapter.py), which never import this module
 from moecg.models.adapter import FUSED_FEATURES, FUSED_ROUTER_KINDS, UnsupportedConfigError, adapter_for
+from moecg.models.formats import fp8_input
 from moecg.models.skew import router_logit_bias
 from moecg.models.weights import stored
 
 __all__ = ["FUSED_FEATURES", "FUSED_ROUTER_KINDS", "FastDecode", "FastPathError", "check_supported"]
+
+
+def _q(out: tuple, quant: bool) -> tuple:
+    """A norm op's outputs with its act_quant last: as given with quant, else None in its place."""
+    return out if quant else (*out, None)
 
 
 @contextmanager
@@ -152,6 +158,14 @@ class FastDecode:
         self.mla_layout = builder.mla_layout
         self.layers: list[FusedLayer] = [builder.build(i, layer) for i, layer in enumerate(ad.layers(model))]
         self.owned_bytes = builder.owned_bytes  # the fused weight copies this step holds (module docstring)
+        # GEMMs taking fp8_dynamic inputs right after a norm read the norm kernel's own act_quant of its rows (its
+        # `quant` output, the same values) instead of quantizing them again: per layer, whether the input norm's
+        # (qkv) and the post-attention norm's consumers (the experts, the shared expert / dense MLP / router GEMM) do;
+        # the last entry of _in_q is the final norm's (lm_head: full inputs)
+        q = self.backend == "triton"
+        self._in_q = [q and L.mla is None and fp8_input(L.wqkv) for L in self.layers] + [False]
+        self._post_q = [q and (fp8_input(L.wcat) or fp8_input(L.wsh) or (
+            L.experts is not None and fp8_input(stored(L.experts, "gate_up_proj")))) for L in self.layers]
 
     def pdl_mode(self) -> int | None:
         """The PDL mode this step's Triton kernels launch with (None: it runs no Triton kernels)."""
@@ -213,7 +227,7 @@ class FastDecode:
         route = ops.route if (s.top_k & (s.top_k - 1)) == 0 else ref.route  # the Triton kernel: power-of-two k
         return route(logits, s.top_k, s.normalize, L.route_dtype)
 
-    def _experts(self, L: FusedLayer, h, idx, w, valid, state, slot: int):
+    def _experts(self, L: FusedLayer, h, idx, w, valid, state, slot: int, hq=None):
         counters = state.layer(slot) if state is not None else None
         disp = state.dispatcher if state is not None else None
         if disp is None:
@@ -223,7 +237,7 @@ class FastDecode:
                                    gate_up_bias=ex.gate_up_proj_bias if sp.has_bias else None,
                                    down_bias=ex.down_proj_bias if sp.has_bias else None)
         if disp.fused_unreduced:
-            return disp.unreduced(L.experts, h, idx, w, valid, counters)  # [T, K, D] fp32
+            return disp.unreduced(L.experts, h, idx, w, valid, counters, xq=hq)  # [T, K, D] fp32
         return disp.forward(L.experts, h, idx, w, valid, counters)[:, None]  # [T, 1, D]
 
     # -- the step --------------------------------------------------------------------------------------
@@ -247,8 +261,8 @@ class FastDecode:
         valid = state.token_valid(T) if state is not None else None
         cl = self.cast_last
         x = F.embedding(input_ids[:, 0], self.embed)  # [T, D]
-        res, h = ops.add_rmsnorm(x[:, None], None, self.layers[0].in_w, self.layers[0].in_eps, cast_last=cl,
-                                 out_dtype=self.dtype)
+        res, h, hq = _q(ops.add_rmsnorm(x[:, None], None, self.layers[0].in_w, self.layers[0].in_eps, cast_last=cl,
+                                        out_dtype=self.dtype, quant=self._in_q[0]), self._in_q[0])
         slot = 0
         n = len(self.layers)
         for i, L in enumerate(self.layers):
@@ -257,29 +271,31 @@ class FastDecode:
             if L.mla is not None:  # keys/values: the latent [.., C] and the rotary key [.., R]
                 o = latent.attend(ops, L.mla, h, pos, cos, sin, clayers[i].keys, clayers[i].values)  # [T, H*Dv]
             else:
-                qkv = ops.linear(h, L.wqkv, L.bqkv)  # [T, (Hq+2Hkv)*Dh]
+                qkv = ops.linear(h, L.wqkv, L.bqkv, xq=hq)  # [T, (Hq+2Hkv)*Dh]
                 q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
                                    L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
                 o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
                                     sinks=L.sinks, eager=self.eager_attn)  # [T, Hq*Dh]
             a = ops.linear_partials(o, L.wo, L.bo)  # [T, S, D]: S split-K partial rows, or the output (S = 1)
+            pq, nq = self._post_q[i], self._in_q[i + 1]  # quant: the next GEMMs take fp8_dynamic inputs
             if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel
-                res, h, idx, w = ops.norm_route(a, res, L.post_w, L.post_eps, L.wcat[: L.n_experts], L.top_k,
-                                                L.norm_topk, L.route_dtype, router_logit_bias(L.router), cast_last=cl)
+                res, h, idx, w, hq = _q(ops.norm_route(a, res, L.post_w, L.post_eps, L.wcat[: L.n_experts], L.top_k,
+                                                       L.norm_topk, L.route_dtype, router_logit_bias(L.router),
+                                                       cast_last=cl, quant=pq), pq)
             else:
-                res, h = ops.add_rmsnorm(a, res, L.post_w, L.post_eps, cast_last=cl)
+                res, h, hq = _q(ops.add_rmsnorm(a, res, L.post_w, L.post_eps, cast_last=cl, quant=pq), pq)
             nw, neps = (self.layers[i + 1].in_w, self.layers[i + 1].in_eps) if i + 1 < n else (self.norm_w,
                                                                                                self.norm_eps)
             if L.experts is None:
                 if L.mlp is not None:
                     y = self.adapter.moe_output(L.mlp(h))  # [T, D]
                 else:
-                    y = ops.linear(ops.silu_mul(ops.linear(h, L.wcat), L.shared_inter), L.w_sdown)  # [T, D]
-                res, h = ops.add_rmsnorm(y[:, None], res, nw, neps, cast_last=cl)
+                    y = ops.linear(ops.silu_mul(ops.linear(h, L.wcat, xq=hq), L.shared_inter), L.w_sdown)  # [T, D]
+                res, h, hq = _q(ops.add_rmsnorm(y[:, None], res, nw, neps, cast_last=cl, quant=nq), nq)
                 continue
             side = None  # the shared expert's stream, once forked
             if not L.norm_route:  # (norm_route layers have their idx, w already, and no shared expert)
-                z = ops.linear(h, L.wcat, L.bcat) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
+                z = ops.linear(h, L.wcat, L.bcat, xq=hq) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
                 side = self._side_stream() if L.shared_inter else None
                 if side is not None:  # fork: the shared expert starts once z exists, the routing goes on here
                     main = torch.cuda.current_stream(self.device)
@@ -295,14 +311,14 @@ class FastDecode:
             shared = gate = None
             if L.shared_inter:
                 with torch.cuda.stream(side) if side is not None else _nullctx():
-                    zs = ops.linear(h, L.wsh) if L.wsh is not None else z  # [T, 2Is ...]
+                    zs = ops.linear(h, L.wsh, xq=hq) if L.wsh is not None else z  # [T, 2Is ...]
                     shared = ops.linear(ops.silu_mul(zs, L.shared_inter), L.w_sdown)  # [T, D]
                 gate = z[:, L.shared_gate_col] if L.shared_gate_col is not None else None  # [T]
-            y = self._experts(L, h, idx, w, valid, state, slot)  # [T, K or 1, D]
+            y = self._experts(L, h, idx, w, valid, state, slot, hq)  # [T, K or 1, D]
             if side is not None:  # join before the combine reads `shared`
                 main.wait_stream(side)
             slot += 1
-            res, h = ops.add_rmsnorm(y, res, nw, neps, shared, gate, cast_last=cl)
+            res, h, hq = _q(ops.add_rmsnorm(y, res, nw, neps, shared, gate, cast_last=cl, quant=nq), nq)
         logits = F.linear(h, self.lm_head)  # [T, V]
         if rows_pos is None:
             torch._foreach_add_([c.cumulative_length for c in clayers], 1)

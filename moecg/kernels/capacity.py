@@ -214,8 +214,9 @@ def _cap_down_kernel(h_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, nk_ptr, keep_
 @dry_zeros
 def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, capacity_factor: float,
                      drop_policy: str = "probs", min_capacity: int = 1, renormalize: bool = False, spec=None,
-                     gate_up_bias=None, down_bias=None, tiles=None):
-    """As ref.capacity_experts: [T, K, D] fp32 (dropped assignments and pad rows zero); counters updated in place."""
+                     gate_up_bias=None, down_bias=None, tiles=None, xq=None):
+    """As ref.capacity_experts: [T, K, D] fp32 (dropped assignments and pad rows zero); counters updated in place. xq:
+    as moe.moe_experts'."""
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy={drop_policy!r}: choose one of {DROP_POLICIES}")
     T, K = idx.shape
@@ -254,7 +255,7 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
         K=K, KP=KP, HAS_VALID=has_valid, COUNT=cnt, JM=a.jm, JU=a.ju, PAIRED=a.paired(t),
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=t.block_m, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale, t.block_m), BLOCK_T=BLOCK_T,
-        num_warps=t.warps, num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], t.block_m))
+        num_warps=t.warps, num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], t.block_m, xq))
     launch(_cap_down_kernel, (E, m_blocks, triton.cdiv(D, t.down_n)),
         h, wc, down, down_bias if down_bias is not None else h, y, slots, n_kept, keep,
         C, D, inter, h.stride(0), down.stride(0), a.s_dn, a.s_dk,

@@ -135,12 +135,13 @@ GEMV_MAX_T = 16  # rows one program's tl.dot block holds
 
 
 @dry_zeros
-def linear(x, w, bias=None, tiles=None):
+def linear(x, w, bias=None, tiles=None, xq=None):
     """As ref.linear. tiles: a moecg.kernels.tiles.GemvTiles (the Triton GEMV) or None: the table's choice for this
     shape (gemv_tiles), which is cuBLAS (F.linear) where no rule holds. A block-FP8 weight (BlockFp8) always runs the
-    Triton GEMV, on its values and scales, any T (BLOCK_T rows per program along grid dim 2)."""
+    Triton GEMV, on its values and scales, any T (BLOCK_T rows per program along grid dim 2). xq: x quantized already
+    (act_quant's (q, s), from its producer), which a weight taking fp8_dynamic inputs reads instead of quantizing x."""
     if isinstance(w, BlockFp8):
-        return _linear_fp8(x, w, bias, tiles)
+        return _linear_fp8(x, w, bias, tiles, xq)
     T, K = x.shape
     N = w.shape[0]
     t = tiles or _tiles.gemv_tiles(T, N, K)
@@ -186,7 +187,7 @@ def table_tiles(x, w):
 
 
 @dry_zeros
-def linear_partials(x, w, bias=None, tiles=None):
+def linear_partials(x, w, bias=None, tiles=None, xq=None):
     """As ref.linear_partials: [T, S, N], the projection's S split-K partial rows (fp32) or, unsplit, linear's
     output as one partial row (S = 1). tiles: GemvTiles, or None: the table's (fp8_gemv_tiles for a block-FP8
     weight, gemv_tiles otherwise); split only where they say split_k > 1 (and T <= GEMV_MAX_T for a dense w)."""
@@ -196,14 +197,14 @@ def linear_partials(x, w, bias=None, tiles=None):
     t = tiles or table_tiles(x, w)
     if t is None or t.split_k <= 1 or (not fp8 and (T > GEMV_MAX_T or w.stride(1) != 1)) or x.stride(1) != 1 \
             or (bias is not None and bias.stride(0) != 1):
-        return linear(x, w, bias, tiles)[:, None]
+        return linear(x, w, bias, tiles, xq)[:, None]
     rows = min(t.rows, GEMV_MAX_T)
     bk = _fp8_k(t.block_k, w, rows) if fp8 else t.block_k
     kper = triton.cdiv(triton.cdiv(K, t.split_k), bk) * bk  # a whole number of K steps (and of 128-column scales)
     S = triton.cdiv(K, kper)
     y = torch.empty(S, T, N, dtype=torch.float32, device=x.device)
     q, extra = (w.q, {"ws_ptr": w.scale, "s_sn": w.scale.stride(0), "s_sk": w.scale.stride(1), "QROWS": w.rows,
-                      "A8": _a8(w), **a8_inputs(x, _a8(w), rows)}) if fp8 else (w, {})
+                      "A8": _a8(w), **a8_inputs(x, _a8(w), rows, xq)}) if fp8 else (w, {})
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), S, triton.cdiv(T, rows)), x, q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), q.stride(0), y.stride(1),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
@@ -221,7 +222,7 @@ def _fp8_k(block_k: int, w: BlockFp8, rows: int) -> int:
     return act_k(block_k, rows) if _a8(w) else check_block_k(block_k)
 
 
-def _linear_fp8(x, w, bias, tiles):
+def _linear_fp8(x, w, bias, tiles, xq=None):
     T, K = x.shape
     N = w.q.shape[0]
     t = tiles or _tiles.fp8_gemv_tiles(T, N, K, bool(_a8(w)))
@@ -233,7 +234,7 @@ def _linear_fp8(x, w, bias, tiles):
            bias if bias is not None else y, y, T, N, K, x.stride(0), w.q.stride(0), y.stride(0),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=_fp8_k(t.block_k, w, rows),
            num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows,
-           A8=_a8(w), **a8_inputs(x, _a8(w), rows),
+           A8=_a8(w), **a8_inputs(x, _a8(w), rows, xq),
            **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y
 

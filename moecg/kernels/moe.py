@@ -423,8 +423,9 @@ class ExpertArgs:
 
 @dry_zeros
 def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
-                down_bias=None, tiles=None, grid: str = "auto"):
-    """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles).
+                down_bias=None, tiles=None, grid: str = "auto", xq=None):
+    """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles). xq: x's act_quant
+    from its producer, which experts taking fp8_dynamic inputs read instead of quantizing x (quant.a8_inputs).
     grid: "expert" (a program per expert), "slot" (a program per assignment, the expert's first one runs it) or
     "auto": slot when the assignments are fewer than the experts (decode at small batches), else expert."""
     T, K = idx.shape
@@ -454,7 +455,8 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=a.jm, JU=a.ju, PAIRED=a.paired(t),
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale, bm), BLOCK_S=64, num_warps=t.warps,
-        num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], bm), **pdl_args(x.device, t.pdl_trigger))
+        num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], bm, xq),
+        **pdl_args(x.device, t.pdl_trigger))
     n_blocks = triton.cdiv(D, t.down_n)
     down_k = quant_k(t.down_k, a.down_scale, bm)
     if split > 1:

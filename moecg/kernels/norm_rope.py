@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
-from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, pos_stride
+from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, pos_stride
+from moecg.kernels.quant import act_quant_out, quant_block, store_act_quant
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -25,7 +26,8 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
                         T, D, eps, s_yt, s_yk, s_rt, s_sht, s_sgt, s_ort, s_ot,
                         KK: tl.constexpr, HAS_RES: tl.constexpr, HAS_SHARED: tl.constexpr,
                         HAS_SGATE: tl.constexpr, HAS_VALID: tl.constexpr, CAST_LAST: tl.constexpr,
-                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0):
+                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0,
+                        q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
@@ -56,18 +58,23 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
     yn = out * tl.rsqrt(var + eps)
     if not CAST_LAST:  # Llama-style: the normalised x is rounded before the weight multiplies it
         yn = yn.to(dt).to(tl.float32)
-    tl.store(out_ptr + t * s_ot + offs, (w * yn).to(dt), mask=m)
+    h = (w * yn).to(dt)
+    tl.store(out_ptr + t * s_ot + offs, h, mask=m)
+    if q_ptr is not None:  # quant: the row's act_quant too, for the fp8_dynamic GEMMs after it
+        store_act_quant(h, t, offs, m, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D)
 
 
 @dry_zeros
 def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, valid=None, cast_last: bool = False,
-                out_dtype=None):
+                out_dtype=None, quant: bool = False):
+    """As ref.add_rmsnorm; quant: the normed rows' act_quant from the same program (store_act_quant), third."""
     T, KK, D = y.shape
     dt = (out_dtype or weight.dtype) if residual is None else residual.dtype
     new_res = torch.empty(T, D, dtype=dt, device=y.device)
     normed = torch.empty(T, D, dtype=dt, device=y.device)
     assert y.stride(2) == 1 and (residual is None or residual.stride(1) == 1)
     dummy = new_res
+    extra, qargs = act_quant_out(T, D, y.device, quant)
     launch(_add_rmsnorm_kernel, (T,),
         y, residual if residual is not None else dummy, weight,
         shared if shared is not None else dummy, shared_gate if shared_gate is not None else dummy,
@@ -76,9 +83,9 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
         shared.stride(0) if shared is not None else 0, shared_gate.stride(0) if shared_gate is not None else 0,
         new_res.stride(0), normed.stride(0),
         KK=KK, HAS_RES=residual is not None, HAS_SHARED=shared is not None, HAS_SGATE=shared_gate is not None,
-        HAS_VALID=valid is not None, CAST_LAST=cast_last, BLOCK_D=p2(D), num_warps=_tiles.norm_warps(T, D, KK),
-        **pdl_args(y.device, preload=True))
-    return new_res, normed
+        HAS_VALID=valid is not None, CAST_LAST=cast_last, BLOCK_D=quant_block(D, quant),
+        num_warps=_tiles.norm_warps(T, D, KK), **qargs, **pdl_args(y.device, preload=True))
+    return (new_res, normed, *extra)
 
 
 # ------------------------------------------------------------------------------------------------------------

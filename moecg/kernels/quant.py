@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moecg.kernels.launch import launch, pdl_args, pdl_enter
+from moecg.kernels.launch import launch, p2, pdl_args, pdl_enter
 
 
 @triton.jit
@@ -172,13 +172,21 @@ def fp8_dot(q, s, w, acc, srow_ptr, k0, s_sk, nmask, BLOCK_M: tl.constexpr):
 def a8_tile(x_ptr, rows, rmask, s_xt, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8: tl.constexpr, DOT: tl.constexpr,
             BLOCK_K: tl.constexpr):
     """A GEMM's input tile, rows `rows` (masked by rmask) at columns kk (masked by km, from k0) -> (x, xq, xs): x for
-    the CUDA-core products (mac, fp8_row_mac), xq / xs the e4m3 values and [rows, 1] scales for fp8_dot. A8 on the
-    tensor cores: loaded from quantize_rows' output (q_ptr, qs_ptr; x unused); A8 on the CUDA cores: x quantized here
-    (act_q8) and x its values times their scales; no A8: x as stored (xq, xs unused)."""
+    the CUDA-core products (mac, fp8_row_mac), xq / xs the e4m3 values and [rows, 1] scales for fp8_dot. A8 with the
+    input quantized already (q_ptr, qs_ptr: quantize_rows' or its producer's output, a8_inputs): loaded, and on the CUDA
+    cores x their values times their scales; A8 on the CUDA cores without them: x quantized here (act_q8), the same
+    values; no A8: x as stored (xq, xs unused)."""
     if A8 and DOT:
         xq = tl.load(q_ptr + rows[:, None] * s_qt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         xs = tl.load(qs_ptr + rows * s_qs + k0 // 128, mask=rmask, other=1.0)[:, None]
         x = xq
+    elif A8 and q_ptr is not None:
+        NS: tl.constexpr = BLOCK_K // 128
+        xq = tl.load(q_ptr + rows[:, None] * s_qt + kk[None, :], mask=rmask[:, None] & km[None, :],
+                     other=0.0).to(tl.float32)
+        j = k0 // 128 + tl.arange(0, NS)
+        xs = tl.load(qs_ptr + rows[:, None] * s_qs + j[None, :], mask=rmask[:, None], other=1.0)  # [rows, NS]
+        x = act_values(xq, xs, rows.shape[0], BLOCK_K)
     else:
         x = tl.load(x_ptr + rows[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         if A8:
@@ -218,13 +226,42 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def a8_inputs(x: torch.Tensor, a8: int, rows: int) -> dict:
-    """The kernel arguments of a GEMM input x [T, K] for a8_tile: on the tensor cores (A8, rows >= 16 a program) its
-    e4m3 values and scales, quantized once here (quantize_rows); elsewhere none (the CUDA-core tiles quantize
-    themselves)."""
-    if not (a8 and rows >= 16):
+@triton.jit
+def store_act_quant(h, t, offs, m, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D: tl.constexpr):
+    """Row t's values h [BLOCK_D] (columns offs, masked by m; BLOCK_D a multiple of 128, zeros past D) as
+    moecg.models.formats.act_quant: e4m3 values at q_ptr + t * s_qt, one fp32 scale per 128 columns at qs_ptr +
+    t * s_qs (act_q8, the arithmetic the GEMM kernels use when they quantize an input themselves)."""
+    q, s = act_q8(h.to(tl.float32)[None, :], 1, BLOCK_D)
+    tl.store(q_ptr + t * s_qt + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=m[None, :])
+    j = tl.arange(0, BLOCK_D // 128)
+    tl.store(qs_ptr + t * s_qs + j[None, :], s, mask=(j * 128 < D)[None, :])
+
+
+def act_quant_out(T: int, D: int, device, quant: bool) -> tuple:
+    """(q [T, D] e4m3, s [T, ceil(D / 128)] fp32) for a producer's `quant` output and its kernel arguments, or ((),
+    {}) without quant."""
+    if not quant:
+        return (), {}
+    q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=device)
+    s = torch.empty(T, triton.cdiv(D, 128), dtype=torch.float32, device=device)
+    return ((q, s),), {"q_ptr": q, "qs_ptr": s, "s_qt": q.stride(0), "s_qs": s.stride(0)}
+
+
+def quant_block(D: int, quant: bool) -> int:
+    """A one-row-a-program kernel's BLOCK_D: the row's power of two, with quant at least one 128-column block."""
+    return max(p2(D), 128) if quant else p2(D)
+
+
+def a8_inputs(x: torch.Tensor, a8: int, rows: int, xq=None) -> dict:
+    """The kernel arguments of a GEMM input x [T, K] for a8_tile (A8): its e4m3 values and scales, xq = (q [T, K],
+    s [T, ceil(K / 128)]) where its producer quantized it already (act_quant's values: add_rmsnorm's or norm_route's
+    `quant`), else on the tensor cores (rows >= 16 a program) quantized once here (quantize_rows); else none (the
+    CUDA-core tiles quantize themselves)."""
+    if not a8 or (xq is None and rows < 16):
         return {}
-    q, s = quantize_rows(x)
+    q, s = xq if xq is not None else quantize_rows(x)
+    assert q.shape == x.shape and q.stride(1) == 1 and s.shape == (x.shape[0], triton.cdiv(x.shape[1], 128)), \
+        "a8_inputs: xq is not act_quant(x)'s shape"
     return {"q_ptr": q, "qs_ptr": s, "s_qt": q.stride(0), "s_qs": s.stride(0)}
 
 

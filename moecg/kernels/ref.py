@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moecg.models.formats import act_quant
 from moecg.models.weights import dense, gemm_input
 from moecg.moe_math import add_counters, assign_slots, count_valid, kept_weights, route_counts, routed_mass
 
@@ -27,7 +28,7 @@ def rmsnorm(x, weight, eps: float, cast_last: bool = False):
 
 
 def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, valid=None, cast_last: bool = False,
-                out_dtype=None):
+                out_dtype=None, quant: bool = False):
     """y [T, KK, D] partial outputs (summed in fp32), + gated shared expert, + residual, then RMSNorm.
 
     Returns (new residual [T, D], normed [T, D]); residual None: the new residual is sum(y) itself, in out_dtype
@@ -36,6 +37,8 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
     without a gate: added as is (GLM-4-MoE's shared experts).
     valid [T] bool: rows marked False contribute no routed output (their y rows may be garbage).
     cast_last: the norm's rounding (see rmsnorm).
+    quant: also return normed's act_quant (q [T, D] e4m3, s [T, ceil(D/128)] fp32), the input of the GEMMs after it
+    that take fp8_dynamic inputs (the kernels' `xq`), as a third value.
     """
     dt = (out_dtype or weight.dtype) if residual is None else residual.dtype
     routed = y.float().sum(1)  # [T, D]
@@ -48,7 +51,8 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
         out = out + sh
     if residual is not None:
         out = residual + out
-    return out, rmsnorm(out, weight, eps, cast_last)
+    normed = rmsnorm(out, weight, eps, cast_last)
+    return (out, normed, act_quant(normed)) if quant else (out, normed)
 
 
 def rotate_half(x):
@@ -205,16 +209,17 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
 
 
 def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize: bool, out_dtype, logit_bias=None,
-               cast_last: bool = False):
+               cast_last: bool = False, quant: bool = False):
     """a [T, D] or [T, S, D] (the attention output, or its partial rows: linear_partials), residual [T, D] -> (new
     residual, normed [T, D], idx [T, K], weights [T, K]): add_rmsnorm, the router linear (router_w [E, D], no bias;
-    output in the model dtype), + logit_bias [E] (moecg's router skew, in the logits' dtype), softmax_topk."""
+    output in the model dtype), + logit_bias [E] (moecg's router skew, in the logits' dtype), softmax_topk. quant:
+    normed's act_quant too, last (as add_rmsnorm's)."""
     res, h = add_rmsnorm(a[:, None] if a.dim() == 2 else a, residual, weight, eps, cast_last=cast_last)
     logits = torch.nn.functional.linear(h, router_w)
     if logit_bias is not None:
         logits = logits + logit_bias.to(logits.dtype)
     idx, w = route(logits, top_k, normalize, out_dtype)
-    return res, h, idx, w
+    return (res, h, idx, w, act_quant(h)) if quant else (res, h, idx, w)
 
 
 def route_softmax_group(logits, top_k: int, n_group: int, topk_group: int, scaling: float):
@@ -266,11 +271,12 @@ def route_topk_softmax(logits, top_k: int):
 
 
 # ------------------------------------------------------------------------------------------------------------
-def linear(x, w, bias=None, tiles=None):
+def linear(x, w, bias=None, tiles=None, xq=None):
     """x [T, K] @ w [N, K]^T (+ bias [N]) -> [T, N] in x's dtype: F.linear (cuBLAS on CUDA), fp32 accumulation,
     rounded once. w: a tensor, or a block-FP8 weight (moecg.models.formats.BlockFp8), dequantized first (and x taken
-    as the weight takes it: BlockFp8.input). tiles: the Triton GEMV's tile choice (moecg.kernels.tiles.GemvTiles); no
-    meaning here."""
+    as the weight takes it: BlockFp8.input). tiles: the Triton GEMV's tile choice (moecg.kernels.tiles.GemvTiles); xq:
+    x's act_quant from its producer, which the kernels read instead of quantizing x; neither has a meaning here (x is
+    quantized from itself)."""
     return F.linear(gemm_input(w, x), dense(w), bias)
 
 
@@ -280,7 +286,7 @@ def router_logits(h, w):
     return F.linear(h.float(), w.float())
 
 
-def linear_partials(x, w, bias=None, tiles=None):
+def linear_partials(x, w, bias=None, tiles=None, xq=None):
     """linear as [T, S, N] partial rows whose fp32 sum is the projection (its consumer, add_rmsnorm or norm_route,
     adds them and rounds once): here S = 1, linear's output itself. The Triton GEMV splits K where its tiles say
     (GemvTiles.split_k), the same products summed in another order."""
@@ -321,13 +327,14 @@ def expert_act(gu, spec=None):
 
 
 def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
-                down_bias=None, tiles=None):
+                down_bias=None, tiles=None, xq=None):
     """Dropless routed experts, unreduced: [T, K, D] fp32, y[t, k] = w[t, k] * expert_{idx[t,k]}(x[t]).
 
     gate_up [E, 2I, D] and down [E, D, I] (spec.transposed: [E, D, 2I] and [E, I, D], GPT-OSS); biases [E, 2I] and
     [E, D] are added after each GEMM's rounding, as HF adds them. spec: see expert_act.
     Rows with valid False get zeros and are not counted. counters: a LayerCounters (routed, mass, tokens).
-    tiles: the Triton kernel's tile choice (moecg.kernels.tiles); no meaning here.
+    tiles: the Triton kernel's tile choice (moecg.kernels.tiles); xq: x's act_quant from its producer (linear's);
+    neither has a meaning here.
     """
     T, K = idx.shape
     transposed = spec is not None and spec.transposed
@@ -358,7 +365,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
 
 def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, capacity_factor: float,
                      drop_policy: str = "probs", min_capacity: int = 1, renormalize: bool = False, spec=None,
-                     gate_up_bias=None, down_bias=None, tiles=None):
+                     gate_up_bias=None, down_bias=None, tiles=None, xq=None):
     """`capacity`'s routed experts, unreduced: [T, K, D] fp32, moe_experts on the assignments that keep a slot,
     zeros for the dropped ones and for pad rows.
 
@@ -366,7 +373,7 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
     real tokens; `probs` keeps each expert's highest combine weights, equal weights to the earlier token;
     `position` the earliest tokens), the weights its kept_weights (renormalize), the counters its add_counters.
     The Triton kernels (moecg.kernels.capacity) compute this while reading every expert's weights once; tiles
-    is their tile choice (no meaning here).
+    is their tile choice, xq x's act_quant from its producer (no meaning here).
     """
     sl = assign_slots(idx, w, valid, gate_up.shape[0], capacity_factor, min_capacity, drop_policy)
     keep_k, w_k = kept_weights(idx, w, sl.kept, valid, renormalize)  # [T, K], [T, K] fp32

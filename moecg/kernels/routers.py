@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, split_sems
+from moecg.kernels.quant import act_quant_out, quant_block, store_act_quant
 
 
 # router: softmax (fp32) + top-k + optional renormalisation, one program per token
@@ -104,7 +105,7 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
                        w_ptr, T, D, E, eps, s_at, s_rt, s_rwe, s_ort, s_ot, K: tl.constexpr, NORM: tl.constexpr,
                        HAS_SKEW: tl.constexpr, CAST_LAST: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_EP: tl.constexpr, USE_PDL: tl.constexpr = 0, KK: tl.constexpr = 1,
-                       s_ak=0, PRELOAD: tl.constexpr = 0):
+                       s_ak=0, PRELOAD: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     t = tl.program_id(0)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -130,6 +131,8 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
     if nb == 0:
         tl.store(out_res_ptr + t * s_ort + kk, out.to(dt), mask=km)
         tl.store(out_ptr + t * s_ot + kk, h, mask=km)
+        if q_ptr is not None:  # quant: h's act_quant too, for the experts' fp8_dynamic GEMMs
+            store_act_quant(h, t, kk, km, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D)
     lg = tl.sum(wr.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
     lg = lg.to(dt).to(tl.float32)  # the router linear's output dtype
     if HAS_SKEW:
@@ -150,7 +153,9 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
 
 @dry_zeros
 def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize: bool, out_dtype, logit_bias=None,
-               cast_last: bool = False):
+               cast_last: bool = False, quant: bool = False):
+    """As ref.norm_route; quant: h's act_quant too, last (quant.store_act_quant, from the first router block's
+    programs)."""
     if a.dim() == 2:
         a = a[:, None]
     T, KK, D = a.shape  # KK partial rows (linear_partials) or one
@@ -167,12 +172,13 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
     be = max(2, min(p2(E) // 16, 16384 // p2(D)))  # ~16 programs per row, at most 16k weights in registers
     nb = triton.cdiv(E, be)
     sems = split_sems(a.device, T, "norm_route")
+    extra, qargs = act_quant_out(T, D, a.device, quant)
     launch(_norm_route_kernel, (T, nb),
         a, residual, weight, router_w, logit_bias if logit_bias is not None else lg, lg, sems, new_res, normed, idx, w,
         T, D, E, eps, a.stride(0), residual.stride(0), router_w.stride(0), new_res.stride(0), normed.stride(0),
-        K=top_k, NORM=normalize, HAS_SKEW=logit_bias is not None, CAST_LAST=cast_last, BLOCK_D=p2(D), BLOCK_E=be,
-        BLOCK_EP=p2(E), num_warps=8, KK=KK, s_ak=a.stride(1), **pdl_args(a.device, preload=True))
-    return new_res, normed, idx, w
+        K=top_k, NORM=normalize, HAS_SKEW=logit_bias is not None, CAST_LAST=cast_last, BLOCK_D=quant_block(D, quant),
+        BLOCK_E=be, BLOCK_EP=p2(E), num_warps=8, KK=KK, s_ak=a.stride(1), **qargs, **pdl_args(a.device, preload=True))
+    return (new_res, normed, idx, w, *extra)
 
 
 # group-limited routers, one program per token. sigmoid_group (DeepSeek-V3, GLM-4-MoE): sigmoid, a biased

@@ -220,6 +220,12 @@ def act_fake_quant(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale.repeat_interleave(BLOCK, dim=-1)[..., :x.shape[-1]]).to(x.dtype)
 
 
+def fp8_input(w) -> bool:
+    """w (a weight as stored: a tensor, BlockFp8, Mxfp4, or None) takes fp8_dynamic inputs: its GEMMs quantize x
+    first (act_quant)."""
+    return isinstance(w, BlockFp8) and w.act == "fp8_dynamic"
+
+
 def expand_scale(scale: torch.Tensor, rows: int, n: int, k: int) -> torch.Tensor:
     """scale [..., ceil(n/rows), ceil(k/128)] -> [..., n, k]: each weight element's scale."""
     return scale.repeat_interleave(rows, dim=-2)[..., :n, :].repeat_interleave(BLOCK, dim=-1)[..., :k]

@@ -82,8 +82,9 @@ class EPCapacity(ExpertParallel, Capacity):
 class EPDropless(ExpertParallel, Dropless):
     name: ClassVar[str] = "dropless"
 
-    def unreduced(self, experts, hidden, idx, w, valid, counters):
-        """[T, K, D] fp32 weighted expert outputs (pad rows zero), as Dropless.unreduced."""
+    def unreduced(self, experts, hidden, idx, w, valid, counters, xq=None):
+        """[T, K, D] fp32 weighted expert outputs (pad rows zero), as Dropless.unreduced (xq unused: the experts'
+        PyTorch GEMMs quantize their inputs themselves)."""
         T, K = idx.shape
         E, D = experts.num_experts, hidden.shape[-1]
         R, El = self.exchange.size, self._local(experts)
