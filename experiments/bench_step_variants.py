@@ -160,9 +160,9 @@ def set_variant(v: dict) -> None:
 
     triton_ops.mla_attn_decode = mla_attn_decode if ("ls" in v or "lm" in v) else MLA_ATTN_DECODE
 
-    def linear_partials(x, w, bias=None, tiles=None):
+    def linear_partials(x, w, bias=None, tiles=None, **kw):
         tiles = tiles or gemv.table_tiles(x, w) or tiles_mod.GemvTiles(16, 256, 4, 3)  # cuBLAS shapes: 16 x 256
-        return LINEAR_PARTIALS(x, w, bias, dataclasses.replace(tiles, split_k=v["ok"]))
+        return LINEAR_PARTIALS(x, w, bias, dataclasses.replace(tiles, split_k=v["ok"]), **kw)
 
     triton_ops.linear_partials = linear_partials if "ok" in v else LINEAR_PARTIALS
 

@@ -228,8 +228,11 @@ def compile_sm90(fn, consts: dict, stages: int = 4, **ptr_types):
     from triton.compiler import ASTSource
 
     tys = {**SM90_TYPES, **ptr_types}
-    sig = {n: "constexpr" if n in consts else tys.get(n, "*bf16" if n.endswith("_ptr") else "i32")
-           for n in inspect.signature(fn.fn).parameters}
+    params = inspect.signature(fn.fn).parameters
+    # an optional pointer (default None: a producer's quantized output, an A8 kernel's quantized input) stays None
+    # unless ptr_types types it, as launches leave it
+    consts = {**{n: None for n, p in params.items() if p.default is None and n not in ptr_types}, **consts}
+    sig = {n: "constexpr" if n in consts else tys.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in params}
     try:
         return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "num_stages": stages})
@@ -307,6 +310,19 @@ def test_kernels_compile_for_hopper():
     for G, Dh, sink in ((8, 128, False), (8, 64, True)):  # the merge kernels: every split at once, in SB-split loads
         build(attention._attn_merge_kernel, dict(G=G, DH=Dh, GP=16, HAS_SINK=sink, SPLITS=64, SP=64, SB=32, USE_PDL=2),
               sink_ptr="*bf16", o_ptr="*bf16")
+    # the producers' act_quant of their outputs (fp8_dynamic GEMMs after them): the norms, the attention per head
+    q8 = dict(q_ptr="*fp8e4nv", qs_ptr="*fp32")
+    build(norm_rope._add_rmsnorm_kernel, dict(KK=1, HAS_RES=True, HAS_SHARED=False, HAS_SGATE=False, HAS_VALID=False,
+                                              CAST_LAST=False, BLOCK_D=2048, USE_PDL=2), **q8)
+    build(routers._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=False, CAST_LAST=False, BLOCK_D=2048, BLOCK_E=8,
+                                           BLOCK_EP=128, USE_PDL=2, KK=1), a_ptr="*bf16", **q8)
+    build(gemv._silu_mul_kernel, dict(BLOCK=1024, USE_PDL=2), **q8)
+    for merge in (1, 2):
+        build(attention._attn_decode_kernel, dict(G=8, GP=16, DH=128, BLOCK_L=64, SPLIT=True, HAS_SINK=False,
+                                                  EAGER=False, TWO_PASS=False, SUB_ROUND=False, SB=1, USE_PDL=2,
+                                                  MERGE=merge), oq_ptr="*fp8e4nv", os_ptr="*fp32")
+    build(attention._attn_merge_kernel, dict(G=8, DH=128, GP=16, HAS_SINK=False, SPLITS=64, SP=64, SB=32, USE_PDL=2),
+          sink_ptr="*bf16", o_ptr="*bf16", oq_ptr="*fp8e4nv", os_ptr="*fp32")
     for SP, SB, MC in ((128, 128, 32), (16, 16, 256), (256, 64, 64)):  # MLA's, V2-Lite's 16 heads (C 512)
         build(mla._mla_merge_kernel, dict(H=16, HB=16, HP=16, C=512, CP=512, MC=MC, SPLITS=SP, SP=SP, SB=SB,
                                           USE_PDL=2))
@@ -322,7 +338,7 @@ def test_kernels_compile_for_hopper():
     build(routers._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=False, CAST_LAST=False, BLOCK_D=2048, BLOCK_E=8,
                                            BLOCK_EP=128, USE_PDL=2, KK=4), a_ptr="*fp32")
     # fp8_dynamic activations (A8): FP8 MMAs (wgmma, the weight rows as M) on 16 rows, fp32 products on one row
-    f8 = dict(w_ptr="*fp8e4nv", ws_ptr="*fp32")
+    f8 = dict(w_ptr="*fp8e4nv", ws_ptr="*fp32", q_ptr="*fp8e4nv", qs_ptr="*fp32")
     for bm, bn, bk in ((16, 64, 128), (1, 32, 1024)):
         build(moe._moe_up_kernel, dict(K=8, HAS_VALID=False, COUNT=False, JM=1, JU=768, HAS_BIAS=False, ACT=0,
                                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_S=64, USE_PDL=2, QROWS=128, A8=1),

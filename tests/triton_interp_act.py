@@ -126,6 +126,22 @@ for T, Dn in ((3, 320), (2, 64), (1, 256)):
     wr = ref.norm_route(y, res, nw, 1e-6, rw, 2, True, torch.float32, quant=True)
     assert len(gr) == len(wr) == 5 and torch.equal(gr[2], wr[2])
     same_quant(gr[4], ref.act_quant(gr[1]))
+# the attention output per head of 128 (the o projection's input): the direct split, the in-kernel merge and the
+# merge kernel (splits 1, 4 in the kernel, 4 by the kernel after it), grouped query heads, per-row positions
+Hq, Hkv, Dh, Lc = 4, 2, 128, 256
+qh = torch.randn(3, Hq, Dh)
+kc, vc = torch.randn(3, Hkv, Lc, Dh), torch.randn(3, Hkv, Lc, Dh)
+pos = torch.tensor([5, 200, 130])
+want = ref.attn_decode(qh, kc, vc, pos, 0.1, quant=True)
+for splits, merge in ((1, None), (4, 1), (4, 2)):
+    o, oq = tri.attn_decode(qh, kc, vc, pos, 0.1, splits=splits, merge=merge, quant=True)
+    close(o, want[0], 1e-5)
+    same_quant(oq, ref.act_quant(o))
+# silu_mul (a shared expert's or dense MLP's down projection's input): ragged I over two 1024-column programs
+gu = torch.randn(3, 2 * 1100 + 5)
+h, hq8 = tri.silu_mul(gu, 1100, quant=True)
+close(h, ref.silu_mul(gu, 1100), 1e-5)
+same_quant(hq8, ref.act_quant(h))
 for T, N, K in ((1, 96, 320), (5, 64, 256)):
     wa = a8(quantize_stacked(torch.randn(N, K), 1))
     x = torch.randn(T, K)
@@ -156,11 +172,16 @@ for tiles in (GemvTiles(64, 128, 4, 3), GemvTiles(16, 128, rows=1)):
 # whole models: the fused step on the Triton ops against the same step on the torch ops (the reference ops), with
 # every block-FP8 GEMM's input quantized (standard attention's fused qkv, o, shared experts, dense first layers, MLA's
 # fused projections; MLA's kv_b_proj takes its input as it is)
-for preset in ("qwen2_moe_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny"):
+# (and Qwen3-MoE with 128-wide heads: the o projection's input quantized by the attention kernel, the experts' and
+# qkv's by the norms)
+for preset, over in (("qwen2_moe_tiny", None), ("qwen3_moe_tiny", None), ("qwen3_moe_tiny", {"head_dim": 128}),
+                     ("deepseek_v3_tiny", None)):
     t0 = time.time()
-    model = build_model(preset, dtype="fp32", device="cpu", seed=4, weights="fp8_block",
-                        activations="fp8_dynamic").model
-    fused_backends_agree(model, torch.randint(0, 100, (2, 5)), 16, 3, preset)
-    print(preset, round(time.time() - t0, 1), "s")
+    model = build_model(preset, dtype="fp32", device="cpu", seed=4, weights="fp8_block", activations="fp8_dynamic",
+                        config_overrides=over).model
+    steps = fused_backends_agree(model, torch.randint(0, 100, (2, 5)), 16, 3, preset)
+    if over:
+        assert all(steps[1]._o_q) and all(steps[1]._post_q) and all(steps[1]._in_q[:-1]), "producers quantize"
+    print(preset, over, round(time.time() - t0, 1), "s")
 
 print("ALL OK")

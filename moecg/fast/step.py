@@ -166,6 +166,10 @@ class FastDecode:
         self._in_q = [q and L.mla is None and fp8_input(L.wqkv) for L in self.layers] + [False]
         self._post_q = [q and (fp8_input(L.wcat) or fp8_input(L.wsh) or (
             L.experts is not None and fp8_input(stored(L.experts, "gate_up_proj")))) for L in self.layers]
+        # the o projection's input, from the attention kernel (per head: a head dim of 128 columns or a multiple);
+        # the shared expert's / dense MLP's down projection's, from silu_mul
+        self._o_q = [q and L.mla is None and L.head_dim % 128 == 0 and fp8_input(L.wo) for L in self.layers]
+        self._down_q = [q and fp8_input(L.w_sdown) for L in self.layers]
 
     def pdl_mode(self) -> int | None:
         """The PDL mode this step's Triton kernels launch with (None: it runs no Triton kernels)."""
@@ -227,6 +231,12 @@ class FastDecode:
         route = ops.route if (s.top_k & (s.top_k - 1)) == 0 else ref.route  # the Triton kernel: power-of-two k
         return route(logits, s.top_k, s.normalize, L.route_dtype)
 
+    def _mlp_down(self, L: FusedLayer, a, quant: bool):
+        """The shared expert's (or dense MLP's) down projection of silu_mul's output a (with quant: (a, its
+        act_quant))."""
+        a, aq = a if quant else (a, None)
+        return self.ops.linear(a, L.w_sdown, xq=aq)
+
     def _experts(self, L: FusedLayer, h, idx, w, valid, state, slot: int, hq=None):
         counters = state.layer(slot) if state is not None else None
         disp = state.dispatcher if state is not None else None
@@ -268,6 +278,7 @@ class FastDecode:
         for i, L in enumerate(self.layers):
             if self.on_layer is not None:  # set by Capture while capturing, so a failure names its layer
                 self.on_layer(i)
+            oq = None  # the o projection's input quantized by the attention kernel (_o_q)
             if L.mla is not None:  # keys/values: the latent [.., C] and the rotary key [.., R]
                 o = latent.attend(ops, L.mla, h, pos, cos, sin, clayers[i].keys, clayers[i].values)  # [T, H*Dv]
             else:
@@ -275,8 +286,10 @@ class FastDecode:
                 q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
                                    L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
                 o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
-                                    sinks=L.sinks, eager=self.eager_attn)  # [T, Hq*Dh]
-            a = ops.linear_partials(o, L.wo, L.bo)  # [T, S, D]: S split-K partial rows, or the output (S = 1)
+                                    sinks=L.sinks, eager=self.eager_attn, quant=self._o_q[i])  # [T, Hq*Dh]
+                if self._o_q[i]:  # (o, its act_quant)
+                    o, oq = o
+            a = ops.linear_partials(o, L.wo, L.bo, xq=oq)  # [T, S, D]: S split-K partial rows, or the output
             pq, nq = self._post_q[i], self._in_q[i + 1]  # quant: the next GEMMs take fp8_dynamic inputs
             if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel
                 res, h, idx, w, hq = _q(ops.norm_route(a, res, L.post_w, L.post_eps, L.wcat[: L.n_experts], L.top_k,
@@ -290,7 +303,8 @@ class FastDecode:
                 if L.mlp is not None:
                     y = self.adapter.moe_output(L.mlp(h))  # [T, D]
                 else:
-                    y = ops.linear(ops.silu_mul(ops.linear(h, L.wcat, xq=hq), L.shared_inter), L.w_sdown)  # [T, D]
+                    y = self._mlp_down(L, ops.silu_mul(ops.linear(h, L.wcat, xq=hq), L.shared_inter,
+                                                       quant=self._down_q[i]), self._down_q[i])  # [T, D]
                 res, h, hq = _q(ops.add_rmsnorm(y[:, None], res, nw, neps, cast_last=cl, quant=nq), nq)
                 continue
             side = None  # the shared expert's stream, once forked
@@ -312,7 +326,8 @@ class FastDecode:
             if L.shared_inter:
                 with torch.cuda.stream(side) if side is not None else _nullctx():
                     zs = ops.linear(h, L.wsh, xq=hq) if L.wsh is not None else z  # [T, 2Is ...]
-                    shared = ops.linear(ops.silu_mul(zs, L.shared_inter), L.w_sdown)  # [T, D]
+                    shared = self._mlp_down(L, ops.silu_mul(zs, L.shared_inter, quant=self._down_q[i]),
+                                            self._down_q[i])  # [T, D]
                 gate = z[:, L.shared_gate_col] if L.shared_gate_col is not None else None  # [T]
             y = self._experts(L, h, idx, w, valid, state, slot, hq)  # [T, K or 1, D]
             if side is not None:  # join before the combine reads `shared`

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, pos_stride, split_sems
+from moecg.kernels.quant import act_q8, act_quant_out
 
 
 # decode attention: one program per (row, kv head, split of the context); the query heads of a kv group
@@ -41,7 +42,8 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                         G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BLOCK_L: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, EAGER: tl.constexpr,
                         TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr, SB: tl.constexpr = 1,
-                        USE_PDL: tl.constexpr = 0, MERGE: tl.constexpr = 1):
+                        USE_PDL: tl.constexpr = 0, MERGE: tl.constexpr = 1, oq_ptr=None, os_ptr=None, s_oqt=0,
+                        s_ost=0):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     hk = tl.program_id(1)
@@ -84,8 +86,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
             v = tl.load(vb + sl[:, None] * s_vl + d[None, :], mask=lm[:, None], other=0.0)
             acc += tl.dot(p.to(v.dtype), v)
         out = acc / l_i[:, None]
-        tl.store(o_ptr + t * s_ot + (hk * G + gi)[:, None] * DH + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=gm[:, None])
+        store_out(o_ptr, out, t, s_ot, hk * G + gi, gm, d, DH, oq_ptr, os_ptr, s_oqt, s_ost)
     else:
         # SPLIT: only the splits that hold keys at this step's position run (n_act of them, device-side: the grid is
         # fixed by the cache's capacity); when one does (a short span), it writes the output itself, no merge
@@ -117,8 +118,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                 m_i = m_new
             if direct:
                 out = acc / l_i[:, None]
-                tl.store(o_ptr + t * s_ot + (hk * G + gi)[:, None] * DH + d[None, :],
-                         out.to(o_ptr.dtype.element_ty), mask=gm[:, None])
+                store_out(o_ptr, out, t, s_ot, hk * G + gi, gm, d, DH, oq_ptr, os_ptr, s_oqt, s_ost)
             else:  # store this split's partials; the last active split of the (row, kv head) merges them all
                 head = t * tl.num_programs(1) + hk
                 row0 = head * tl.num_programs(2)
@@ -130,13 +130,14 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                     done = tl.atomic_add(sem_ptr + head, 1, sem="acq_rel", scope="gpu")
                     if done == n_act - 1:  # the others' partials are visible (acquire)
                         _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, n_act, G, GP, DH,
-                                    HAS_SINK, SB)
+                                    HAS_SINK, SB, oq_ptr, os_ptr, s_oqt, s_ost)
                         tl.store(sem_ptr + head, 0)  # zero again for the next call (and graph replay)
 
 
 @triton.jit
 def _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, splits, G: tl.constexpr,
-                GP: tl.constexpr, DH: tl.constexpr, HAS_SINK: tl.constexpr, SB: tl.constexpr):
+                GP: tl.constexpr, DH: tl.constexpr, HAS_SINK: tl.constexpr, SB: tl.constexpr, oq_ptr=None,
+                os_ptr=None, s_oqt=0, s_ost=0):
     """Merge the `splits` partial (max, sum, acc) of one (row, kv head), in split order, into its output heads.
     Run by the split that finishes last; its loads go to L2 (.cg), where the other splits' stores are. SB splits'
     loads are unrolled together (issued before their adds: fewer serial L2 round trips); the adds stay in order."""
@@ -167,14 +168,28 @@ def _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, split
             acc += tl.load(acc_ptr + (r * GP + gi)[:, None] * DH + d[None, :], mask=ok[:, None], other=0.0,
                            cache_modifier=".cg") * sc[:, None]
     out = acc / tl.where(gm, l_tot, 1.0)[:, None]
-    tl.store(o_ptr + t * s_ot + (hk * G + gi)[:, None] * DH + d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=gm[:, None])
+    store_out(o_ptr, out, t, s_ot, hk * G + gi, gm, d, DH, oq_ptr, os_ptr, s_oqt, s_ost)
+
+
+@triton.jit
+def store_out(o_ptr, out, t, s_ot, hh, hm, d, DH: tl.constexpr, oq_ptr, os_ptr, s_oqt, s_ost):
+    """Row t's outputs out [H, DH] (fp32) of heads hh [H] (masked by hm) in o's dtype; with oq_ptr (quant) also
+    their act_quant, per head's 128-column blocks (DH a multiple of 128): e4m3 values at oq_ptr + t * s_oqt, scales
+    at os_ptr + t * s_ost (head h's at columns h * DH / 128 ..), as quant.store_act_quant stores a row's."""
+    o = out.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + t * s_ot + hh[:, None] * DH + d[None, :], o, mask=hm[:, None])
+    if oq_ptr is not None:
+        q, s = act_q8(o.to(tl.float32), hh.shape[0], DH)
+        tl.store(oq_ptr + t * s_oqt + hh[:, None] * DH + d[None, :], q.to(oq_ptr.dtype.element_ty), mask=hm[:, None])
+        j = tl.arange(0, DH // 128)
+        tl.store(os_ptr + t * s_ost + hh[:, None] * (DH // 128) + j[None, :], s, mask=hm[:, None])
 
 
 @triton.jit(do_not_specialize=["T", "window", "chunk"])
 def _attn_merge_kernel(pos_ptr, sink_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, window, chunk, s_pos, s_ot,
                        G: tl.constexpr, DH: tl.constexpr, GP: tl.constexpr, HAS_SINK: tl.constexpr,
-                       SPLITS: tl.constexpr, SP: tl.constexpr, SB: tl.constexpr, USE_PDL: tl.constexpr = 0):
+                       SPLITS: tl.constexpr, SP: tl.constexpr, SB: tl.constexpr, USE_PDL: tl.constexpr = 0,
+                       oq_ptr=None, os_ptr=None, s_oqt=0, s_ost=0):
     """Merge 2: one program per (row, query head) merges its kv head's split partials (nothing where one split was
     active, which wrote its output itself). It reads the head's [splits] max and sum at once and its [splits, DH]
     partial values SB splits a load, so the splits' loads are in flight together, where the in-kernel merge (merge 1)
@@ -193,7 +208,8 @@ def _attn_merge_kernel(pos_ptr, sink_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, T, windo
         if HAS_SINK:
             sink = tl.load(sink_ptr + h).to(tl.float32)
         out = merge_splits(m_ptr, l_ptr, acc_ptr, row0, n_act, h % G, d, d < DH, sink, GP, DH, SP, SB, HAS_SINK)
-        tl.store(o_ptr + t * s_ot + h * DH + d, out.to(o_ptr.dtype.element_ty))
+        hh = h + tl.arange(0, 1)
+        store_out(o_ptr, out[None, :], t, s_ot, hh, hh >= 0, d, DH, oq_ptr, os_ptr, s_oqt, s_ost)
 
 
 @triton.jit
@@ -268,10 +284,12 @@ def attn_merge_block(GP: int, Dh: int) -> int:
 
 @dry_zeros
 def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None, eager: bool = False,
-                splits: int | None = None, merge_block: int | None = None, merge: int | None = None):
+                splits: int | None = None, merge_block: int | None = None, merge: int | None = None,
+                quant: bool = False):
     """splits: programs per (row, kv head) context (None: attn_splits' choice; benchmarks pass their own).
     merge_block: splits per load of the in-kernel merge (None: attn_merge_block's choice). merge: 1 the last split
-    merges in the kernel, 2 _attn_merge_kernel after it (None: 2 above MERGE_INLINE_MAX splits)."""
+    merges in the kernel, 2 _attn_merge_kernel after it (None: 2 above MERGE_INLINE_MAX splits). quant: the output's
+    act_quant too, second (as ref.attn_decode's), from the programs that write the output (store_out)."""
     if merge not in (None, 1, 2):
         raise ValueError(f"attn_decode merge={merge!r}: 1 (in the kernel) or 2 (the merge kernel)")
     T, Hq, Dh = q.shape
@@ -288,6 +306,8 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
         splits, chunk = 1, span
     merge = merge or (2 if splits > MERGE_INLINE_MAX else 1)
     o = torch.empty(T, Hq * Dh, dtype=q.dtype, device=q.device)
+    assert not quant or Dh % 128 == 0, "attn_decode quant: per head, a head dim that is a multiple of 128"
+    extra, qargs = act_quant_out(T, Hq * Dh, q.device, quant, ("oq_ptr", "os_ptr", "s_oqt", "s_ost"))
     if splits > 1:
         m = torch.empty(T * Hkv * splits, GP, dtype=torch.float32, device=q.device)
         l_ = torch.empty_like(m)
@@ -303,10 +323,10 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, HAS_SINK=sinks is not None, EAGER=eager,
         TWO_PASS=two_pass, SUB_ROUND=two_pass and sinks.dtype == q.dtype,
-        SB=merge_block or attn_merge_block(GP, Dh), MERGE=merge, num_warps=4, **pdl_args(q.device))
+        SB=merge_block or attn_merge_block(GP, Dh), MERGE=merge, num_warps=4, **qargs, **pdl_args(q.device))
     if splits > 1 and merge == 2:
         SP = p2(splits)
         launch(_attn_merge_kernel, (T, Hq), pos, sk, o, m, l_, acc, T, window, chunk, pos_stride(pos, T), o.stride(0),
                G=G, DH=Dh, GP=GP, HAS_SINK=sinks is not None, SPLITS=splits, SP=SP,
-               SB=min(SP, max(1, MERGE_TILE // Dh)), num_warps=4, **pdl_args(q.device))
-    return o
+               SB=min(SP, max(1, MERGE_TILE // Dh)), num_warps=4, **qargs, **pdl_args(q.device))
+    return (o, *extra) if quant else o

@@ -17,15 +17,16 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
-from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, check_block_k, dequant_tile, fp8_dot, fp8_row_mac, mac,
-                                 mac_init, mac_sum, w_tile)
+from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, act_quant_out, check_block_k, dequant_tile, fp8_dot,
+                                 fp8_row_mac, mac, mac_init, mac_sum, store_act_quant, w_tile)
 from moecg.models.formats import BlockFp8
 
 
 # ------------------------------------------------------------------------------------------------------------
 # silu(gate) * up of a dense MLP or shared expert, [T, 2I] -> [T, I], one program per (row, 1024 columns)
 @triton.jit(do_not_specialize=["T"])
-def _silu_mul_kernel(gu_ptr, h_ptr, T, I, s_gt, s_ht, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+def _silu_mul_kernel(gu_ptr, h_ptr, T, I, s_gt, s_ht, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0, q_ptr=None,
+                     qs_ptr=None, s_qt=0, s_qs=0):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -34,17 +35,22 @@ def _silu_mul_kernel(gu_ptr, h_ptr, T, I, s_gt, s_ht, BLOCK: tl.constexpr, USE_P
     g = tl.load(gu_ptr + t * s_gt + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * s_gt + I + offs, mask=m, other=0.0).to(tl.float32)
     a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
-    tl.store(h_ptr + t * s_ht + offs, (a * u).to(dt), mask=m)
+    h = (a * u).to(dt)
+    tl.store(h_ptr + t * s_ht + offs, h, mask=m)
+    if q_ptr is not None:  # quant: its act_quant too, for the fp8_dynamic down projection after it
+        store_act_quant(h, t, tl.program_id(1) * BLOCK, offs, m, I, q_ptr, qs_ptr, s_qt, s_qs, BLOCK)
 
 
 @dry_zeros
-def silu_mul(gu, inter: int):
+def silu_mul(gu, inter: int, quant: bool = False):
+    """As ref.silu_mul; quant: the output's act_quant too, second (each program's 1024 columns are 8 whole blocks)."""
     T = gu.shape[0]
     assert gu.stride(1) == 1
     h = torch.empty(T, inter, dtype=gu.dtype, device=gu.device)
+    extra, qargs = act_quant_out(T, inter, gu.device, quant)
     launch(_silu_mul_kernel, (T, triton.cdiv(inter, 1024)), gu, h, T, inter, gu.stride(0), h.stride(0),
-            BLOCK=1024, num_warps=4, **pdl_args(gu.device))
-    return h
+            BLOCK=1024, num_warps=4, **qargs, **pdl_args(gu.device))
+    return (h, *extra) if quant else h
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -227,24 +227,25 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def store_act_quant(h, t, offs, m, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D: tl.constexpr):
-    """Row t's values h [BLOCK_D] (columns offs, masked by m; BLOCK_D a multiple of 128, zeros past D) as
-    moecg.models.formats.act_quant: e4m3 values at q_ptr + t * s_qt, one fp32 scale per 128 columns at qs_ptr +
-    t * s_qs (act_q8, the arithmetic the GEMM kernels use when they quantize an input themselves)."""
+def store_act_quant(h, t, c0, offs, m, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D: tl.constexpr):
+    """Row t's values h [BLOCK_D] at columns offs = c0 + arange (c0 a multiple of 128; masked by m, zeros past D;
+    BLOCK_D a multiple of 128) as moecg.models.formats.act_quant: e4m3 values at q_ptr + t * s_qt + column, one fp32
+    scale per 128 columns at qs_ptr + t * s_qs + column / 128 (act_q8, the arithmetic the GEMM kernels use when they
+    quantize an input themselves)."""
     q, s = act_q8(h.to(tl.float32)[None, :], 1, BLOCK_D)
     tl.store(q_ptr + t * s_qt + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=m[None, :])
-    j = tl.arange(0, BLOCK_D // 128)
+    j = c0 // 128 + tl.arange(0, BLOCK_D // 128)
     tl.store(qs_ptr + t * s_qs + j[None, :], s, mask=(j * 128 < D)[None, :])
 
 
-def act_quant_out(T: int, D: int, device, quant: bool) -> tuple:
-    """(q [T, D] e4m3, s [T, ceil(D / 128)] fp32) for a producer's `quant` output and its kernel arguments, or ((),
-    {}) without quant."""
+def act_quant_out(T: int, D: int, device, quant: bool, names=("q_ptr", "qs_ptr", "s_qt", "s_qs")) -> tuple:
+    """(((q [T, D] e4m3, s [T, ceil(D / 128)] fp32),), its kernel arguments under `names`: values, scales, their row
+    strides) for a producer's `quant` output, or ((), {}) without quant."""
     if not quant:
         return (), {}
     q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=device)
     s = torch.empty(T, triton.cdiv(D, 128), dtype=torch.float32, device=device)
-    return ((q, s),), {"q_ptr": q, "qs_ptr": s, "s_qt": q.stride(0), "s_qs": s.stride(0)}
+    return ((q, s),), dict(zip(names, (q, s, q.stride(0), s.stride(0))))
 
 
 def quant_block(D: int, quant: bool) -> int:

@@ -99,7 +99,8 @@ def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: 
     return q
 
 
-def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None, eager: bool = False):
+def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None, eager: bool = False,
+                quant: bool = False):
     """q [T, Hq, Dh] against cache slots [0, pos] (the last `window` only, if window) -> [T, Hq*Dh]; pos a device
     scalar or [T] (each row's own position).
 
@@ -108,7 +109,13 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     eager: round as HF's eager attention does (the only one GPT-OSS's sinks run with here): scores in the model
     dtype after the QK product and after the scaling, and with sinks the max-subtracted logits too, softmax in that
     dtype. Otherwise as sdpa: fp32 scores and softmax.
+    quant: also return the output's act_quant, second (the o projection's input where it takes fp8_dynamic inputs).
     """
+    o = _attn_decode(q, keys, values, pos, scaling, window, sinks, eager)
+    return (o, act_quant(o)) if quant else o
+
+
+def _attn_decode(q, keys, values, pos, scaling: float, window: int, sinks, eager: bool):
     T, Hq, Dh = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     g = Hq // Hkv
@@ -300,9 +307,11 @@ def head_linear(x, w, tiles=None):
     return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
 
-def silu_mul(gu, inter: int):
-    """gu [T, >= 2I] (gate | up, maybe more columns after) -> silu(gate) * up [T, I], rounded as HF's MLP."""
-    return F.silu(gu[:, :inter]) * gu[:, inter: 2 * inter]
+def silu_mul(gu, inter: int, quant: bool = False):
+    """gu [T, >= 2I] (gate | up, maybe more columns after) -> silu(gate) * up [T, I], rounded as HF's MLP. quant: its
+    act_quant too, second (the down projection's input where it takes fp8_dynamic inputs)."""
+    h = F.silu(gu[:, :inter]) * gu[:, inter: 2 * inter]
+    return (h, act_quant(h)) if quant else h
 
 
 def expert_act(gu, spec=None):
