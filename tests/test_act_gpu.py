@@ -105,6 +105,38 @@ def test_in_kernel_quantization_is_act_quant_bit_for_bit(dtype):
         assert not bad and torch.equal(got_s, rs), (detail, (got_s != rs).nonzero().tolist()[:4])
 
 
+def _same_quant(got, x):
+    q, sc = act_quant(x)
+    assert torch.equal(got[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[1], sc)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_producers_quantize_their_outputs_as_act_quant(T):
+    """The kernels whose outputs feed fp8_dynamic GEMMs write those outputs' act_quant beside them (`quant`), bit for
+    bit act_quant of what they wrote: the norms (D 2048, and 2880 with a ragged last block), the attention per head of
+    128 (one split, splits merged in the kernel and by the merge kernel), silu_mul (I 768); and a GEMM reading them
+    (xq) gives the bits of quantizing its input itself."""
+    g = torch.Generator(device="cuda").manual_seed(T)
+    rnd = lambda *sh: torch.randn(*sh, device="cuda", generator=g).to(BF)  # noqa: E731
+    for D in (2048, 2880):
+        y, res, nw = rnd(T, 1, D), rnd(T, D), rnd(D)
+        _, h, hq = tri.add_rmsnorm(y, res, nw, 1e-6, quant=True)
+        _same_quant(hq, h)
+        _, h, _, _, hq = tri.norm_route(y, res, nw, 1e-6, rnd(128, D), 8, True, BF, quant=True)
+        _same_quant(hq, h)
+    Hq, Hkv, Dh, L = 32, 4, 128, 4096
+    q, kc, vc = rnd(T, Hq, Dh), rnd(T, Hkv, L, Dh), rnd(T, Hkv, L, Dh)
+    for p, splits, merge in ((40, None, None), (4000, 16, 1), (4000, 64, 2)):
+        pos = torch.full((T,), p, device="cuda")
+        o, oq = tri.attn_decode(q, kc, vc, pos, 0.08, splits=splits, merge=merge, quant=True)
+        assert torch.equal(o, tri.attn_decode(q, kc, vc, pos, 0.08, splits=splits, merge=merge))
+        _same_quant(oq, o)
+    h, hq = tri.silu_mul(rnd(T, 2 * 768), 768, quant=True)
+    _same_quant(hq, h)
+    w = _a8(quantize_stacked(torch.randn(2048, 768, device="cuda", generator=g) * 0.02, 1, BF))
+    assert torch.equal(tri.linear(h, w, xq=hq), tri.linear(h, w))
+
+
 @pytest.mark.parametrize("T", [1, 8, 33])
 @pytest.mark.parametrize("N,K,parts", [(4096 + 2 * 512, 2048, 1), (2048, 4096, 1), (1536, 2048, 2)])
 def test_gemv_on_quantized_inputs_is_the_reference(T, N, K, parts):
@@ -141,13 +173,15 @@ def test_moe_and_capacity_kernels_on_quantized_inputs_are_the_reference(shape, T
                      torch.where(keep[..., None], _moe_exact(x, idx, wk, gate_up, down), 0.0))
 
 
-@pytest.mark.parametrize("preset", ["qwen3_moe_tiny", "qwen2_moe_tiny", "deepseek_v3_tiny"])
-def test_fused_full_capture_on_quantized_inputs_matches_hf(preset):
-    """fp8_dynamic on the fused step (its kernels quantizing every block-FP8 GEMM's input), teacher-forced against
+@pytest.mark.parametrize("preset,over", [("qwen3_moe_tiny", None), ("qwen3_moe_tiny", {"head_dim": 128}),
+                                         ("qwen2_moe_tiny", None), ("deepseek_v3_tiny", None)])
+def test_fused_full_capture_on_quantized_inputs_matches_hf(preset, over):
+    """fp8_dynamic on the fused step (its kernels quantizing every block-FP8 GEMM's input, or reading the producers'
+    quantization: 128-wide heads quantize the o projection's input in the attention kernel), teacher-forced against
     HF's modules on the same model (Fp8Linear and the experts quantizing the same inputs): the same greedy tokens
     nearly everywhere, every real token routed K times per layer."""
-    m = build_model(preset, dtype="bf16", device="cuda", seed=1, weights="fp8_block",
-                    activations="fp8_dynamic").model
+    m = build_model(preset, dtype="bf16", device="cuda", seed=1, weights="fp8_block", activations="fp8_dynamic",
+                    config_overrides=over).model
     prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
     attach(m, make_dispatcher("dropless"), max_rows=8)
     r_ref = DecodeEngine(m, 64, 8).generate(prompts, 16, keep_logits=True, timing=False)
@@ -161,7 +195,7 @@ def test_fused_full_capture_on_quantized_inputs_matches_hf(preset):
     s = state_of(m).snapshot()
     agree = float((r.tokens == r_ref.tokens).float().mean())
     diff = max(float((a - c).abs().max()) for a, c in zip(r.logits, r_ref.logits))
-    print(f"{preset} fp8_dynamic fused: forced agreement {agree:.3f}, max logit diff {diff:.4f}")
+    print(f"{preset} {over or ''} fp8_dynamic fused: forced agreement {agree:.3f}, max logit diff {diff:.4f}")
     # random tiny models' near-tie logits, and the e4m3 flips of each layer's inputs where the kernels' exact products
     # and the reference's bf16 operands round a value apart (see _close_flips): 0.94-0.98 measured, W8A16 0.95+
     assert agree >= 0.9 and s["routed_assignments"] == s_ref["routed_assignments"]
