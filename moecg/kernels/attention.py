@@ -284,8 +284,8 @@ def attn_merge_block(GP: int, Dh: int) -> int:
 
 @dry_zeros
 def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=None, eager: bool = False,
-                splits: int | None = None, merge_block: int | None = None, merge: int | None = None,
-                quant: bool = False):
+                quant: bool = False, splits: int | None = None, merge_block: int | None = None,
+                merge: int | None = None):
     """splits: programs per (row, kv head) context (None: attn_splits' choice; benchmarks pass their own).
     merge_block: splits per load of the in-kernel merge (None: attn_merge_block's choice). merge: 1 the last split
     merges in the kernel, 2 _attn_merge_kernel after it (None: 2 above MERGE_INLINE_MAX splits). quant: the output's

@@ -423,7 +423,7 @@ class ExpertArgs:
 
 @dry_zeros
 def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
-                down_bias=None, tiles=None, grid: str = "auto", xq=None):
+                down_bias=None, tiles=None, xq=None, grid: str = "auto"):
     """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles). xq: x's act_quant
     from its producer, which experts taking fp8_dynamic inputs read instead of quantizing x (quant.a8_inputs).
     grid: "expert" (a program per expert), "slot" (a program per assignment, the expert's first one runs it) or
