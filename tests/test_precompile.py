@@ -72,7 +72,11 @@ def test_dry_ops_record_and_return_zeros():
         idx, wt = triton_ops.route(logits, 4, True, torch.float32)
         assert idx.dtype == torch.int64 or idx.dtype == torch.int32
         assert torch.count_nonzero(idx) == 0 and torch.count_nonzero(wt) == 0
-    assert len(rec) == 5
+        _, h3, (q, s) = triton_ops.add_rmsnorm(torch.randn(2, 1, D), None, w, 1e-6, quant=True)  # nested outputs
+        assert not torch.count_nonzero(h3) and not torch.count_nonzero(q.view(torch.uint8))
+        assert not torch.count_nonzero(s)
+    assert len(rec) == 6
+    rec = rec[:5]
     keys = [launch._spec_key(k, a, kw) for k, _, a, kw in rec]
     assert keys[0] == keys[2] and keys[1] == keys[3]  # T=1 and T=64: one specialisation each
     assert keys[0] != keys[1]  # with and without a residual: two

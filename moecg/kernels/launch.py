@@ -123,14 +123,20 @@ def launch(kernel, grid, *args, **kwargs):
 
 
 def dry_zeros(fn):
-    """An op whose outputs are zeros under dry_run() (its launches recorded, not run)."""
+    """An op whose outputs are zeros under dry_run() (its launches recorded, not run); tuples of outputs too, nested
+    ones included (a producer's (output, (values, scales)) with `quant`)."""
+    def zero(out):
+        if isinstance(out, torch.Tensor):
+            out.zero_()
+        elif isinstance(out, tuple):
+            for t in out:
+                zero(t)
+
     @functools.wraps(fn)
     def op(*args, **kwargs):
         out = fn(*args, **kwargs)
         if _DRY is not None:
-            for t in out if isinstance(out, tuple) else (out,):
-                if isinstance(t, torch.Tensor):
-                    t.zero_()
+            zero(out)
         return out
     return op
 
