@@ -14,7 +14,9 @@ large kernels, each with a pure-PyTorch reference (`moecg.kernels.ref`) and a Tr
              expert) runs residual add + RMSNorm + router GEMV + top-k as one kernel (norm_route)
   dense layers: ... | gate/up GEMM (one) | SiLU-mul | down GEMM | residual + next RMSNorm
   Every projection GEMM runs ops.linear: the Triton GEMV where moecg.kernels.tiles' table has a rule for its
-  (T, N, K), else cuBLAS (a block-FP8 weight: always the Triton GEMV).
+  (T, N, K), else cuBLAS (a block-FP8 weight: always the Triton GEMV). With fp8_dynamic inputs (model.activations)
+  the kernel before a block-FP8 GEMM writes its output's act_quant too (`quant`: the norms, the attention per head of
+  128, SiLU-mul) and the GEMM reads that (`xq`); the experts' down GEMM quantizes its own input.
 
 Families (FUSED_ROUTER_KINDS x FUSED_FEATURES, checked by FamilyAdapter.check_supported): Mixtral, Qwen2/3-MoE,
 GLM-4-MoE (sigmoid_group router: its fp32 GEMM runs apart from the shared expert's; partial rotary; q/k/v bias),
