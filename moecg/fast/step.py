@@ -59,8 +59,10 @@ from moecg.models.weights import stored
 __all__ = ["FUSED_FEATURES", "FUSED_ROUTER_KINDS", "FastDecode", "FastPathError", "check_supported"]
 
 
-def _q(out: tuple, quant: bool) -> tuple:
-    """A norm op's outputs with its act_quant last: as given with quant, else None in its place."""
+def _q(out, quant: bool) -> tuple:
+    """An op's outputs (a tuple, or one tensor) with its act_quant last: as given with quant, else None in its
+    place."""
+    out = out if isinstance(out, tuple) else (out,)
     return out if quant else (*out, None)
 
 
@@ -236,7 +238,7 @@ class FastDecode:
     def _mlp_down(self, L: FusedLayer, a, quant: bool):
         """The shared expert's (or dense MLP's) down projection of silu_mul's output a (with quant: (a, its
         act_quant))."""
-        a, aq = a if quant else (a, None)
+        a, aq = _q(a, quant)
         return self.ops.linear(a, L.w_sdown, xq=aq)
 
     def _experts(self, L: FusedLayer, h, idx, w, valid, state, slot: int, hq=None):
@@ -287,10 +289,9 @@ class FastDecode:
                 qkv = ops.linear(h, L.wqkv, L.bqkv, xq=hq)  # [T, (Hq+2Hkv)*Dh]
                 q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
                                    L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
-                o = ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
-                                    sinks=L.sinks, eager=self.eager_attn, quant=self._o_q[i])  # [T, Hq*Dh]
-                if self._o_q[i]:  # (o, its act_quant)
-                    o, oq = o
+                o, oq = _q(ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
+                                           sinks=L.sinks, eager=self.eager_attn, quant=self._o_q[i]),
+                           self._o_q[i])  # [T, Hq*Dh]
             a = ops.linear_partials(o, L.wo, L.bo, xq=oq)  # [T, S, D]: S split-K partial rows, or the output
             pq, nq = self._post_q[i], self._in_q[i + 1]  # quant: the next GEMMs take fp8_dynamic inputs
             if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel

@@ -19,7 +19,7 @@ from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
 from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, act_quant_out, check_block_k, dequant_tile, fp8_dot,
                                  fp8_row_mac, mac, mac_init, mac_sum, store_act_quant, w_tile)
-from moecg.models.formats import BlockFp8
+from moecg.models.formats import BlockFp8, fp8_input
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_s
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr,
                A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs):
     """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format).
-    A8 on the tensor cores: x's e4m3 values and scales from q_ptr / qs_ptr (quant.quantize_rows)."""
+    A8: x's e4m3 values and scales as quant.a8_tile gives them (from q_ptr / qs_ptr where the input came quantized)."""
     k = k0 + tl.arange(0, BLOCK_K)
     x, xq, xs = a8_tile(x_ptr, t, tm, s_xt, k0, k, k < k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
     if A8 and DOT:
@@ -220,7 +220,8 @@ def linear_partials(x, w, bias=None, tiles=None, xq=None):
 
 
 def _a8(w: BlockFp8) -> int:
-    return int(w.act == "fp8_dynamic")
+    """The kernels' A8 constexpr: w takes fp8_dynamic inputs."""
+    return int(fp8_input(w))
 
 
 def _fp8_k(block_k: int, w: BlockFp8, rows: int) -> int:
@@ -231,7 +232,7 @@ def _fp8_k(block_k: int, w: BlockFp8, rows: int) -> int:
 def _linear_fp8(x, w, bias, tiles, xq=None):
     T, K = x.shape
     N = w.q.shape[0]
-    t = tiles or _tiles.fp8_gemv_tiles(T, N, K, bool(_a8(w)))
+    t = tiles or table_tiles(x, w)
     assert x.stride(1) == 1 and w.q.stride(1) == 1 and (bias is None or bias.stride(0) == 1)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     s = w.scale

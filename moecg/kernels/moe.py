@@ -18,7 +18,7 @@ from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
 from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, check_block_k, check_mx_k, dequant_tile, fp8_dot,
                                  fp8_row_mac, mac, mac_init, mac_sum, mx_dot, w_tile)
-from moecg.models.formats import BlockFp8, Mxfp4
+from moecg.models.formats import BlockFp8, Mxfp4, fp8_input
 
 
 # dropless MoE for small token counts (decode): grid (expert, row block, column block). Each program finds the
@@ -61,9 +61,9 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
     -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask).
     QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.formats), each tile
     dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot.
-    A8 (block-FP8 weights, fp8_dynamic activations): on the tensor cores x's e4m3 values and scales from q_ptr / qs_ptr
-    (quant.quantize_rows, once per layer), each K step an FP8 MMA (fp8_dot); on the CUDA cores x quantized here
-    (quant.act_q8), then fp32 products of its values.
+    A8 (block-FP8 weights, fp8_dynamic activations): x's e4m3 values and scales (quant.a8_tile: from q_ptr / qs_ptr
+    where the input came quantized, by its producer or quant.quantize_rows, else quantized here), each K step an FP8
+    MMA (fp8_dot) on the tensor cores, or fp32 products of its values on the CUDA cores.
     MX: the weights are mxfp4, packed [E, 2I, D / 2] (s_wk: a byte's stride) with scales ws [E, 2I, D / 32]
     (moecg.kernels.quant.mx_dot).
     PAIRED (interleaved gate/up, JM 2 JU 1; bf16 / fp32 weights): the 2 x BLOCK_N columns g0 u0 g1 u1 .. as one
@@ -369,7 +369,7 @@ def _scale_args(w, transposed: bool):
         raise ValueError("block-FP8 experts in the transposed layout ([E, D, 2I]) have no kernel")
     s = w.scale
     return {"ws_ptr": s, "s_se": s.stride(0), "s_sj": s.stride(1), "s_sk": s.stride(2), "QROWS": w.rows, "MX": 0,
-            "A8": int(w.act == "fp8_dynamic")}, w.q
+            "A8": int(fp8_input(w))}, w.q
 
 
 def quant_k(block_k: int, scale: dict, rows: int) -> int:

@@ -8,10 +8,12 @@ reference does (fp32 products rounded once to the compute dtype), so a kernel's 
   by experiments/bench_mx_tile.py); other dtypes: the register decode (mx_tile), then tl.dot.
 
 fp8_dynamic activations (A8, moecg.models.formats.act_quant, with block-FP8 weights; the input tile of a K step:
-a8_tile): on the tensor cores the GEMM input comes quantized once (quantize_rows, its kernel arguments a8_inputs)
-and each K step of 128 columns is an FP8 MMA of the e4m3 values times both scales (fp8_dot); on the CUDA cores each
-K step quantizes its x tile per row and 128 columns (act_q8, the reference's arithmetic: IEEE quotients, round to
-nearest even e4m3), then fp32 products of the values times their scales (act_values), the weight side as without A8.
+a8_tile): the GEMM input comes quantized once, by the kernel that produced it (store_act_quant beside its output:
+the norms, the attention, SiLU-mul) or on the tensor cores by quantize_rows (its kernel arguments: a8_inputs); on
+the tensor cores each K step of 128 columns is an FP8 MMA of the e4m3 values times both scales (fp8_dot); on the CUDA
+cores an input that came unquantized is quantized per row and 128 columns at each K step (act_q8, the reference's
+arithmetic: IEEE quotients, round to nearest even e4m3), then fp32 products of the values times their scales
+(act_values), the weight side as without A8.
 
 Also the product every GEMM tile loop shares (mac, mac_sum): on the tensor cores (tl.dot, 16 rows or more) or, for
 fewer rows (batch 1), as fp32 products on the CUDA cores, with no padded rows and no change of the weight tile's layout.
