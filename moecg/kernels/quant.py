@@ -187,7 +187,9 @@ def a8_tile(x_ptr, rows, rmask, s_xt, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8:
         xq = tl.load(q_ptr + rows[:, None] * s_qt + kk[None, :], mask=rmask[:, None] & km[None, :],
                      other=0.0).to(tl.float32)
         j = k0 // 128 + tl.arange(0, NS)
-        xs = tl.load(qs_ptr + rows[:, None] * s_qs + j[None, :], mask=rmask[:, None], other=1.0)  # [rows, NS]
+        jm = tl.max(tl.reshape(km.to(tl.int32), (NS, 128)), axis=1) > 0  # scale columns inside K (a step past it)
+        xs = tl.load(qs_ptr + rows[:, None] * s_qs + j[None, :], mask=rmask[:, None] & jm[None, :],
+                     other=1.0)  # [rows, NS]
         x = act_values(xq, xs, rows.shape[0], BLOCK_K)
     else:
         x = tl.load(x_ptr + rows[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
