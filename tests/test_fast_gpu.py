@@ -258,7 +258,7 @@ def test_rope_attn_decode_is_rope_cache_then_attention(T):
         pair = tri.attn_decode(q, *caches[1], pos, Dh ** -0.5, window, sinks, eager, quant, merge=merge)
         want = ref.rope_attn_decode(qkv, pos, cos, sin, *caches[2], *args)
         if quant:
-            (fused, fq), (pair, pq), (want, _) = fused, pair, want
+            (fused, fq), (pair, _), (want, _) = fused, pair, want
             assert torch.equal(fq[0].view(torch.uint8), ref.act_quant(fused)[0].view(torch.uint8))
         assert torch.equal(caches[0][1], caches[1][1])  # v: copied (and clipped) alike
         # the norms' sums of squares add in the attention kernel's order (a [heads, Dh] tile): within a bf16 ulp
