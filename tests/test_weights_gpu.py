@@ -150,9 +150,13 @@ def test_moe_kernels_on_the_cuda_cores_are_the_reference(weights, T):
         got = tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles)
         _close(got, ref.moe_experts(x, idx, w, gate_up, down))
         _close(got, on_mma, 1e-2)
+        # the weights loaded a step ahead (prefetch): the same products in the same order, the same bits
+        assert torch.equal(got, tri.moe_experts(x, idx, w, gate_up, down, tiles=replace(tiles, prefetch=True)))
         for cf in (0.5, 1.25):
-            _close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf, tiles=tiles),
-                   ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf))
+            cap = tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf, tiles=tiles)
+            _close(cap, ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf))
+            assert torch.equal(cap, tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf,
+                                                         tiles=replace(tiles, prefetch=True)))
 
 
 @pytest.mark.parametrize("T", [1, 3])
