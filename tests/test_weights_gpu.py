@@ -164,7 +164,7 @@ def test_moe_kernels_on_the_cuda_cores_are_the_reference(weights, T):
 def test_gemv_on_the_cuda_cores_is_the_reference(fp8, T):
     """GemvTiles.rows < 16: the GEMV's products on the CUDA cores, unsplit and split over K (Qwen3-30B-A3B's qkv and
     o shapes; GLM-4.5-Air's shared-expert down, whose K no tile divides), against the reference and the tensor-core
-    GEMV."""
+    GEMV; with each K step's weights loaded a step ahead (prefetch), the same bits."""
     g = torch.Generator(device="cuda").manual_seed(T)
     for N, K in ((5120, 2048), (2048, 4096), (4096, 1408)):
         wf = torch.randn(N, K, device="cuda", generator=g) * 0.02
@@ -177,6 +177,7 @@ def test_gemv_on_the_cuda_cores_is_the_reference(fp8, T):
             got = tri.linear(x, w, tiles=tiles)
             _close(got, want)
             _close(got, on_mma, 1e-2)
+            assert torch.equal(got, tri.linear(x, w, tiles=replace(tiles, prefetch=True)))  # the same bits
             _close(tri.linear_partials(x, w, tiles=replace(tiles, split_k=4)).sum(1), want.float())
 
 

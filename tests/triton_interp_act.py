@@ -152,6 +152,8 @@ for T, N, K in ((1, 96, 320), (5, 64, 256)):
     xq = ref.act_quant(x)
     for tiles in (GemvTiles(32, 128, 4, 3), GemvTiles(4, 256, rows=1), GemvTiles(16, 128, rows=1)):
         assert torch.equal(tri.linear(x, wa, tiles=tiles, xq=xq), tri.linear(x, wa, tiles=tiles)), tiles
+        assert torch.equal(tri.linear(x, wa, tiles=dataclasses.replace(tiles, prefetch=True), xq=xq),
+                           tri.linear(x, wa, tiles=tiles)), tiles  # weights a K step ahead: the same bits
     # a K step past K reads no scale column past it: the scales as a view whose next columns hold NaN
     sp = torch.full((T, xq[1].shape[1] + 2), float("nan"))
     sp[:, :xq[1].shape[1]] = xq[1]

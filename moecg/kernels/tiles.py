@@ -129,6 +129,7 @@ class GemvTiles:
     pdl_trigger: bool = True  # under PDL mode 2, trigger the successor's launch at the start (False: as blocks exit)
     split_k: int = 1  # K split this many ways into fp32 partial rows the consumer adds (gemv.linear_partials only)
     rows: int = 16  # rows of x per program: 16 on tl.dot; fewer (1 at batch 1): their products on the CUDA cores
+    prefetch: bool = False  # each K step's weight tile loaded one step ahead (the first two before the PDL wait)
 
 
 @dataclass(frozen=True)
