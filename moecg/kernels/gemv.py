@@ -91,6 +91,19 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_s
     return acc
 
 
+@triton.jit
+def _a8_operands(q_ptr, qs_ptr, t, tm, s_qt, s_qs, ws_ptr, n, nm, s_sn, s_sk, QROWS: tl.constexpr, k0, k_hi,
+                 BLOCK_K: tl.constexpr):
+    """An FP8 MMA step's input operands at columns k0 .. (BLOCK_K 128; past k_hi masked, nothing read): the rows' e4m3
+    values [rows, 128] and scales [rows, 1] (a8_tile's on the tensor cores) and the weight rows' block scales
+    [BLOCK_N] (fp8_dot's)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    xq = tl.load(q_ptr + t[:, None] * s_qt + k[None, :], mask=tm[:, None] & (k < k_hi)[None, :], other=0.0)
+    xs = tl.load(qs_ptr + t * s_qs + k0 // 128, mask=tm & (t * 0 + k0 < k_hi), other=1.0)[:, None]
+    sw = tl.load(ws_ptr + (n // QROWS) * s_sn + (k0 // 128) * s_sk, mask=nm & (n * 0 + k0 < k_hi), other=0.0)
+    return xq, xs, sw
+
+
 @triton.jit(do_not_specialize=["T", "kper"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
@@ -127,14 +140,25 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k_lo, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N, BLOCK_K,
                      DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt,
                      s_qs)  # every split has columns (linear_partials): the first step always runs
+    # PREFETCH on the FP8 MMA (A8, tensor cores): the step's input tile and both scales a step ahead too
+    PFA: tl.constexpr = PREFETCH and A8 and DOT
+    if PFA:
+        xq_n, xs_n, sw_n = _a8_operands(q_ptr, qs_ptr, t, tm, s_qt, s_qs, ws_ptr, n, nm, s_sn, s_sk, QROWS,
+                                        k_lo + BLOCK_K, k_hi, BLOCK_K)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         if PREFETCH:
             w = w_n
             w_n = w_tile(w_ptr, n, nm, k0 + BLOCK_K, k_hi, s_wn, s_wk, BLOCK_K)
         else:
             w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
-        acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
-                         BLOCK_K, DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs)
+        if PFA:
+            xq, xs, sw = xq_n, xs_n, sw_n
+            xq_n, xs_n, sw_n = _a8_operands(q_ptr, qs_ptr, t, tm, s_qt, s_qs, ws_ptr, n, nm, s_sn, s_sk, QROWS,
+                                            k0 + BLOCK_K, k_hi, BLOCK_K)
+            acc = fp8_dot(xq, xs, w, acc, ws_ptr, k0, s_sk, nm, BLOCK_T, sw)
+        else:
+            acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
+                             BLOCK_K, DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs)
     acc = mac_sum(acc, DOT, A8)
     if HAS_BIAS:  # split: once, in the first split's partial
         b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)

@@ -161,11 +161,13 @@ def act_values(q, s, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def fp8_dot(q, s, w, acc, srow_ptr, k0, s_sk, nmask, BLOCK_M: tl.constexpr):
+def fp8_dot(q, s, w, acc, srow_ptr, k0, s_sk, nmask, BLOCK_M: tl.constexpr, sw=None):
     """acc [BLOCK_N, BLOCK_M] (mac_init's with A8: transposed) + (w [BLOCK_N, 128] (e4m3 as stored) @ q [BLOCK_M,
     128]^T (act_q8's e4m3 values)) on an FP8 MMA with the weight rows as its M (64+ rows take wgmma), times each weight
-    row's block scale (srow_ptr [BLOCK_N], column k0 / 128) and each activation row's scale s [BLOCK_M, 1]."""
-    sw = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask, other=0.0)  # [BLOCK_N]
+    row's block scale (srow_ptr [BLOCK_N], column k0 / 128; sw: those scales, loaded by the caller) and each
+    activation row's scale s [BLOCK_M, 1]."""
+    if sw is None:
+        sw = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask, other=0.0)  # [BLOCK_N]
     d = tl.dot(w, tl.trans(q.to(w.dtype)))  # [BLOCK_N, BLOCK_M]
     return acc + d * sw[:, None] * tl.reshape(s, (BLOCK_M,))[None, :]
 
