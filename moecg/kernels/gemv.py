@@ -17,8 +17,9 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
-from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, act_quant_out, check_block_k, dequant_tile, fp8_dot,
-                                 fp8_row_mac, mac, mac_init, mac_sum, store_act_quant, w_tile)
+from moecg.kernels.quant import (a8_inputs, a8_mma_inputs, a8_tile, act_k, act_quant_out, check_block_k,
+                                 dequant_tile, fp8_dot, fp8_row_mac, mac, mac_init, mac_sum, store_act_quant, w_scales,
+                                 w_tile)
 from moecg.models.formats import BlockFp8, fp8_input
 
 
@@ -91,19 +92,6 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_s
     return acc
 
 
-@triton.jit
-def _a8_operands(q_ptr, qs_ptr, t, tm, s_qt, s_qs, ws_ptr, n, nm, s_sn, s_sk, QROWS: tl.constexpr, k0, k_hi,
-                 BLOCK_K: tl.constexpr):
-    """An FP8 MMA step's input operands at columns k0 .. (BLOCK_K 128; past k_hi masked, nothing read): the rows' e4m3
-    values [rows, 128] and scales [rows, 1] (a8_tile's on the tensor cores) and the weight rows' block scales
-    [BLOCK_N] (fp8_dot's)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    xq = tl.load(q_ptr + t[:, None] * s_qt + k[None, :], mask=tm[:, None] & (k < k_hi)[None, :], other=0.0)
-    xs = tl.load(qs_ptr + t * s_qs + k0 // 128, mask=tm & (t * 0 + k0 < k_hi), other=1.0)[:, None]
-    sw = tl.load(ws_ptr + (n // QROWS) * s_sn + (k0 // 128) * s_sk, mask=nm & (n * 0 + k0 < k_hi), other=0.0)
-    return xq, xs, sw
-
-
 @triton.jit(do_not_specialize=["T", "kper"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
@@ -143,8 +131,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     # PREFETCH on the FP8 MMA (A8, tensor cores): the step's input tile and both scales a step ahead too
     PFA: tl.constexpr = PREFETCH and A8 and DOT
     if PFA:
-        xq_n, xs_n, sw_n = _a8_operands(q_ptr, qs_ptr, t, tm, s_qt, s_qs, ws_ptr, n, nm, s_sn, s_sk, QROWS,
-                                        k_lo + BLOCK_K, k_hi, BLOCK_K)
+        xq_n, xs_n = a8_mma_inputs(q_ptr, qs_ptr, t, tm, s_qt, s_qs, k_lo + BLOCK_K, k_hi, BLOCK_K)
+        sw_n = w_scales(ws_ptr + (n // QROWS) * s_sn, nm, k_lo + BLOCK_K, k_hi, s_sk)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         if PREFETCH:
             w = w_n
@@ -153,8 +141,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
             w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
         if PFA:
             xq, xs, sw = xq_n, xs_n, sw_n
-            xq_n, xs_n, sw_n = _a8_operands(q_ptr, qs_ptr, t, tm, s_qt, s_qs, ws_ptr, n, nm, s_sn, s_sk, QROWS,
-                                            k0 + BLOCK_K, k_hi, BLOCK_K)
+            xq_n, xs_n = a8_mma_inputs(q_ptr, qs_ptr, t, tm, s_qt, s_qs, k0 + BLOCK_K, k_hi, BLOCK_K)
+            sw_n = w_scales(ws_ptr + (n // QROWS) * s_sn, nm, k0 + BLOCK_K, k_hi, s_sk)
             acc = fp8_dot(xq, xs, w, acc, ws_ptr, k0, s_sk, nm, BLOCK_T, sw)
         else:
             acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,

@@ -16,8 +16,8 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
-from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, check_block_k, check_mx_k, dequant_tile, fp8_dot,
-                                 fp8_row_mac, mac, mac_init, mac_sum, mx_dot, w_tile)
+from moecg.kernels.quant import (a8_inputs, a8_mma_inputs, a8_tile, act_k, check_block_k, check_mx_k, dequant_tile,
+                                 fp8_dot, fp8_row_mac, mac, mac_init, mac_sum, mx_dot, w_scales, w_tile)
 from moecg.models.formats import BlockFp8, Mxfp4, fp8_input
 
 
@@ -69,8 +69,9 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
     PAIRED (interleaved gate/up, JM 2 JU 1; bf16 / fp32 weights): the 2 x BLOCK_N columns g0 u0 g1 u1 .. as one
     tile, one GEMM into [BLOCK_M, 2 x BLOCK_N] split into gate and up after the loop (the same products and sums per
     column), so a transposed [E, D, 2I] weight (GPT-OSS) loads contiguous columns instead of two stride-2 halves.
-    PREFETCH (the CUDA-core tiles, not mxfp4): each K step's weight tiles load one step ahead, issued before the
-    step's products (twice the bytes in flight a program; the same products in the same order)."""
+    PREFETCH (not mxfp4; the CUDA-core tiles, and the FP8 MMA of A8 with its input tile and scales): each K step's
+    weight tiles load one step ahead, issued before the step's products (twice the bytes in flight a program; the
+    same products in the same order)."""
     tok = rows // K
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
@@ -98,11 +99,18 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
         wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
         wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
-        PF: tl.constexpr = PREFETCH and (not DOT) and (not MX)
+        PF: tl.constexpr = PREFETCH and (not MX) and ((not DOT) or A8)
+        PFA: tl.constexpr = PF and A8 and DOT  # on the FP8 MMA, the input tile and both scales a step ahead too
+        sg_row = sb + (jg // QR) * s_sj  # the gate rows' scale rows (block-FP8)
+        su_row = sb + (ju // QR) * s_sj
         if PF:  # the first step's tiles; each step then loads the next one's (masked past D: nothing read)
             k1 = tl.arange(0, BLOCK_K)
             g_n = tl.load(wg + k1[None, :] * s_wk, mask=nm[:, None] & (k1 < D)[None, :], other=0.0)
             u_n = tl.load(wu + k1[None, :] * s_wk, mask=nm[:, None] & (k1 < D)[None, :], other=0.0)
+            if PFA:
+                xq_n, xs_n = a8_mma_inputs(q_ptr, qs_ptr, tok, rmask, s_qt, s_qs, 0, D, BLOCK_K)
+                sg_n = w_scales(sg_row, nm, 0, D, s_sk)
+                su_n = w_scales(su_row, nm, 0, D, s_sk)
         for k0 in range(0, D, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < D
@@ -112,7 +120,17 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
                 k1 = kk + BLOCK_K
                 g_n = tl.load(wg + k1[None, :] * s_wk, mask=nm[:, None] & (k1 < D)[None, :], other=0.0)
                 u_n = tl.load(wu + k1[None, :] * s_wk, mask=nm[:, None] & (k1 < D)[None, :], other=0.0)
-            x, xq, xs = a8_tile(x_ptr, tok, rmask, s_xt, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
+            if PFA:
+                xq, xs, sg, su = xq_n, xs_n, sg_n, su_n
+                xq_n, xs_n = a8_mma_inputs(q_ptr, qs_ptr, tok, rmask, s_qt, s_qs, k0 + BLOCK_K, D, BLOCK_K)
+                sg_n = w_scales(sg_row, nm, k0 + BLOCK_K, D, s_sk)
+                su_n = w_scales(su_row, nm, k0 + BLOCK_K, D, s_sk)
+                x = xq
+            else:
+                sg = None
+                su = None
+                x, xq, xs = a8_tile(x_ptr, tok, rmask, s_xt, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT,
+                                    BLOCK_K)
             if MX:
                 we = w_ptr + e.to(tl.int64) * s_we
                 acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
@@ -122,8 +140,8 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
                     g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
                     u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
                 if A8 and DOT:
-                    acc_g = fp8_dot(xq, xs, g, acc_g, sb + (jg // QROWS) * s_sj, k0, s_sk, nm, BLOCK_M)
-                    acc_u = fp8_dot(xq, xs, u, acc_u, sb + (ju // QROWS) * s_sj, k0, s_sk, nm, BLOCK_M)
+                    acc_g = fp8_dot(xq, xs, g, acc_g, sg_row, k0, s_sk, nm, BLOCK_M, sg)
+                    acc_u = fp8_dot(xq, xs, u, acc_u, su_row, k0, s_sk, nm, BLOCK_M, su)
                 elif ROW_SCALE:  # one row: the scale on x (the tile's gate rows share a scale row, as its up rows)
                     j0 = nb * BLOCK_N * JM
                     acc_g = fp8_row_mac(x, g, acc_g, sb + (j0 // QROWS) * s_sj, k0, D, s_sk, BLOCK_K)
@@ -200,19 +218,30 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # as up_tile's
     acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
     k_first = k_lo
-    PF: tl.constexpr = PREFETCH and (not DOT) and (not MX)
+    PF: tl.constexpr = PREFETCH and (not MX) and ((not DOT) or A8)
+    PFA: tl.constexpr = PF and A8 and DOT  # on the FP8 MMA, the input tile and both scales a step ahead too
     if PF:
         w_e = w_ptr + e.to(tl.int64) * s_we
         if HAS_W0:
             w_n = w0
         else:
             w_n = w_tile(w_e, n, nm, k_lo, k_hi, s_wn, s_wk, BLOCK_K)
+        if PFA:
+            s_row = ws_ptr + e.to(tl.int64) * s_se + (n // (QROWS + (QROWS == 0))) * s_sj
+            hq_n, hs_n = a8_mma_inputs(q_ptr, qs_ptr, rows, rmask, s_qt, s_qs, k_lo, k_hi, BLOCK_K)
+            sw_n = w_scales(s_row, nm, k_lo, k_hi, s_sk)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             w = w_n
             w_n = w_tile(w_e, n, nm, k0 + BLOCK_K, k_hi, s_wn, s_wk, BLOCK_K)  # past k_hi: masked, nothing read
-            acc = _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk,
-                             BLOCK_K, BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, True, A8, q_ptr,
-                             qs_ptr, s_qt, s_qs)
+            if PFA:
+                hq, hs, sw = hq_n, hs_n, sw_n
+                hq_n, hs_n = a8_mma_inputs(q_ptr, qs_ptr, rows, rmask, s_qt, s_qs, k0 + BLOCK_K, k_hi, BLOCK_K)
+                sw_n = w_scales(s_row, nm, k0 + BLOCK_K, k_hi, s_sk)
+                acc = fp8_dot(hq, hs, w, acc, s_row, k0, s_sk, nm, BLOCK_M, sw)
+            else:
+                acc = _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk,
+                                 BLOCK_K, BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, True, A8,
+                                 q_ptr, qs_ptr, s_qt, s_qs)
     else:
         if HAS_W0:  # the first step peeled (only here: the tl.dot tiles keep the plain loop, measured faster)
             acc = _down_step(h_ptr, rows, rmask, w0, acc, e, nb, n, nm, w_ptr, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,

@@ -42,7 +42,7 @@ class MoeTiles:
     down_split: int = 1  # split-K of the down GEMM over I (batch-1 steps: more programs); deterministic, rounded once
     pdl_trigger: bool = True  # under PDL mode 2, the MoE kernels trigger their successor's launch at their start
     paired: bool = True  # interleaved gate/up columns (GPT-OSS) as one 2 x up_n tile (False: two stride-2 loads)
-    prefetch: bool = False  # CUDA-core tiles (block_m < 16): each K step's weights loaded one step ahead
+    prefetch: bool = False  # CUDA-core tiles (block_m < 16) and the A8 FP8 MMA: each K step's operands a step ahead
 
 
 @dataclass(frozen=True)
