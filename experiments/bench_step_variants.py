@@ -34,8 +34,6 @@ Variants (names: `+`-joined switches on top of `base`):
            what the tables pick for every projection (fp8_gemv_tiles, gemv_tiles; where gemv_tiles says cuBLAS, over
            GemvTiles(): the projection then runs the Triton GEMV); gn.F=N: the same over GemvTiles() on the
            projections gemv_tiles leaves to cuBLAS only (the table's own shapes keep its tiles)
-  ra=0     q/k norm + rotary + cache write as their own kernel (rope_cache) before the attention's, not inside it
-           (rope_attn_decode)
   rt=0     the fp32 router's logits (DeepSeek, GLM) on cuBLAS's fp32 GEMM, not the Triton GEMV (gemv.router_logits);
            rt.F=N: a field of its tiles (moecg.kernels.tiles.router_tiles)
   hk.F=N   a field of MLA's per-head W_UK projection's tiles (moecg.kernels.tiles.head_tiles, N contiguous); hv.F=N:
@@ -94,8 +92,6 @@ def parse_variant(name: str) -> dict:
         elif p.split(".")[0] in ("g", "gn") and "=" in p and p.split(".")[-1].split("=")[0] in GEMV_FIELDS:
             key = "gemv_tiles" if p.startswith("g.") else "gemv_new"  # e.g. g.rows=1, gn.rows=1
             v.setdefault(key, {})[p.split(".")[-1].split("=")[0]] = int(p.split("=")[1])
-        elif p == "ra=0":  # rope_cache, then attn_decode (two kernels)
-            v["ra"] = 0
         elif p == "rt=0":  # the fp32 router on cuBLAS (F.linear) instead of the Triton GEMV
             v["rt"] = None
         elif p.startswith("rt.") and "=" in p and p[3:].split("=")[0] in GEMV_FIELDS:
@@ -107,13 +103,12 @@ def parse_variant(name: str) -> dict:
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
                              f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, pre=0, nw=N, mb=N, as=N, am=N, "
-                             "ls=N, lm=N, lt=0, ok=N, F=N, g.F=N, gn.F=N, hk.F=N, hv.F=N, ra=0, rt=0, rt.F=N)")
+                             "ls=N, lm=N, lt=0, ok=N, F=N, g.F=N, gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
     return v
 
 
 MOE_EXPERTS, MOE_TILES = triton_ops.moe_experts, tiles_mod.moe_tiles  # the originals, which set_variant wraps
 ATTN_DECODE, MLA_ATTN_DECODE = triton_ops.attn_decode, triton_ops.mla_attn_decode
-ROPE_ATTN_DECODE = triton_ops.rope_attn_decode
 LINEAR_PARTIALS = triton_ops.linear_partials
 GEMV_RULES, NORM_WARPS = tiles_mod.GEMV_RULES, tiles_mod.norm_warps
 FP8_GEMV_TILES, GEMV_TILES = tiles_mod.fp8_gemv_tiles, tiles_mod.gemv_tiles
@@ -157,17 +152,6 @@ def set_variant(v: dict) -> None:
         return ATTN_DECODE(*a, **kw)
 
     triton_ops.attn_decode = attn_decode if ("as" in v or "mb" in v or "am" in v) else ATTN_DECODE
-
-    def rope_attn_decode(qkv, pos, cos, sin, keys, values, n_q, n_kv, head_dim, scaling, q_norm=None, k_norm=None,
-                         eps=1e-6, clip=None, window=0, sinks=None, eager=False, quant=False, **kw):
-        if v.get("ra", 1):
-            return ROPE_ATTN_DECODE(qkv, pos, cos, sin, keys, values, n_q, n_kv, head_dim, scaling, q_norm, k_norm,
-                                    eps, clip, window, sinks, eager, quant, **{**attn_kw, **kw})
-        q = triton_ops.rope_cache(qkv, pos, cos, sin, keys, values, n_q, n_kv, head_dim, q_norm, k_norm, eps, clip)
-        return triton_ops.attn_decode(q, keys, values, pos, scaling, window, sinks, eager, quant, **kw)
-
-    attn_kw = {k: v[a] for k, a in (("splits", "as"), ("merge_block", "mb"), ("merge", "am")) if a in v}
-    triton_ops.rope_attn_decode = rope_attn_decode
 
     def mla_attn_decode(*a, **kw):
         kw.setdefault("splits", v.get("ls"))

@@ -150,13 +150,9 @@ def test_moe_kernels_on_the_cuda_cores_are_the_reference(weights, T):
         got = tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles)
         _close(got, ref.moe_experts(x, idx, w, gate_up, down))
         _close(got, on_mma, 1e-2)
-        # the weights loaded a step ahead (prefetch): the same products in the same order, the same bits
-        assert torch.equal(got, tri.moe_experts(x, idx, w, gate_up, down, tiles=replace(tiles, prefetch=True)))
         for cf in (0.5, 1.25):
-            cap = tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf, tiles=tiles)
-            _close(cap, ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf))
-            assert torch.equal(cap, tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf,
-                                                         tiles=replace(tiles, prefetch=True)))
+            _close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf, tiles=tiles),
+                   ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf))
 
 
 @pytest.mark.parametrize("T", [1, 3])
@@ -164,7 +160,7 @@ def test_moe_kernels_on_the_cuda_cores_are_the_reference(weights, T):
 def test_gemv_on_the_cuda_cores_is_the_reference(fp8, T):
     """GemvTiles.rows < 16: the GEMV's products on the CUDA cores, unsplit and split over K (Qwen3-30B-A3B's qkv and
     o shapes; GLM-4.5-Air's shared-expert down, whose K no tile divides), against the reference and the tensor-core
-    GEMV; with each K step's weights loaded a step ahead (prefetch), the same bits."""
+    GEMV."""
     g = torch.Generator(device="cuda").manual_seed(T)
     for N, K in ((5120, 2048), (2048, 4096), (4096, 1408)):
         wf = torch.randn(N, K, device="cuda", generator=g) * 0.02
@@ -177,7 +173,6 @@ def test_gemv_on_the_cuda_cores_is_the_reference(fp8, T):
             got = tri.linear(x, w, tiles=tiles)
             _close(got, want)
             _close(got, on_mma, 1e-2)
-            assert torch.equal(got, tri.linear(x, w, tiles=replace(tiles, prefetch=True)))  # the same bits
             _close(tri.linear_partials(x, w, tiles=replace(tiles, split_k=4)).sum(1), want.float())
 
 

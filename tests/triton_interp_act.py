@@ -78,17 +78,13 @@ for T, K, grid, split, valid in ((1, 2, "slot", 2, None), (4, 2, "expert", 3, to
     want = ref.moe_experts(x, idx, w, gate_up, down, valid)
     differs(want, ref.moe_experts(x, idx, w, dataclasses.replace(gate_up, act="full"),
                                   dataclasses.replace(down, act="full"), valid))
-    outs = {}
     for tiles in (MoeTiles(block_m=16, up_n=32, up_k=256, down_n=64, down_k=64, down_split=split),
                   MoeTiles(block_m=1, up_n=32, up_k=128, down_n=16, down_k=128, down_split=2),
-                  MoeTiles(block_m=1, up_n=32, up_k=128, down_n=16, down_k=128, down_split=2, prefetch=True),
                   MoeTiles(block_m=2, up_n=64, up_k=256, down_n=16, down_k=256)):
         st1, c1 = counters(E)
         st2, c2 = counters(E)
-        got = outs[tiles] = tri.moe_experts(x, idx, w, gate_up, down, valid, c1, tiles=tiles, grid=grid)
+        got = tri.moe_experts(x, idx, w, gate_up, down, valid, c1, tiles=tiles, grid=grid)
         close(got, want, 1e-4)
-        if tiles.prefetch:  # the weights loaded a step ahead: the same products, the same bits
-            assert torch.equal(got, outs[dataclasses.replace(tiles, prefetch=False)])
         tri.moe_experts(x, idx, w, dataclasses.replace(gate_up, act="full"), dataclasses.replace(down, act="full"),
                         valid, c2, tiles=tiles, grid=grid)
         assert st1.snapshot()["routed"] == st2.snapshot()["routed"]
@@ -152,8 +148,6 @@ for T, N, K in ((1, 96, 320), (5, 64, 256)):
     xq = ref.act_quant(x)
     for tiles in (GemvTiles(32, 128, 4, 3), GemvTiles(4, 256, rows=1), GemvTiles(16, 128, rows=1)):
         assert torch.equal(tri.linear(x, wa, tiles=tiles, xq=xq), tri.linear(x, wa, tiles=tiles)), tiles
-        assert torch.equal(tri.linear(x, wa, tiles=dataclasses.replace(tiles, prefetch=True), xq=xq),
-                           tri.linear(x, wa, tiles=tiles)), tiles  # weights a K step ahead: the same bits
     # a K step past K reads no scale column past it: the scales as a view whose next columns hold NaN
     sp = torch.full((T, xq[1].shape[1] + 2), float("nan"))
     sp[:, :xq[1].shape[1]] = xq[1]

@@ -46,25 +46,6 @@ for R, full, clip in ((16, None, None), (8, False, None), (16, True, 0.7), (4, T
     close(k1, k2)
     close(v1, v2, 0)
 
-# rope_attn_decode (the fused step's attention: the rotary and the cache write in the attention kernel) against the
-# reference (rope_cache, then attn_decode): the same cases, per-row positions across splits (the split holding the
-# position writes it), the merge kernel, a window, sinks with eager's two passes; the caches written alike
-Lc = 256
-for R, full, clip, kw in ((16, None, None, {}), (8, False, None, {"splits": 4}), (16, True, 0.7, {"splits": 4,
-                          "merge": 2}), (8, None, 0.5, {"window": 64, "splits": 2}),
-                          (16, False, None, {"sinks": torch.randn(Hq), "eager": True})):
-    qn = None if full is None else torch.randn(Hq * Dh if full else Dh)
-    kn = None if full is None else torch.randn(Hkv * Dh if full else Dh)
-    cos, sin = torch.randn(Lc, R), torch.randn(Lc, R)
-    k1, v1 = torch.randn(T, Hkv, Lc, Dh), torch.randn(T, Hkv, Lc, Dh)
-    k2, v2 = k1.clone(), v1.clone()
-    pos = torch.tensor([5, 200, 130])
-    opt = {k: kw[k] for k in ("window", "sinks", "eager") if k in kw}
-    want = ref.rope_attn_decode(qkv, pos, cos, sin, k1, v1, Hq, Hkv, Dh, 0.25, qn, kn, clip=clip, **opt)
-    close(tri.rope_attn_decode(qkv, pos, cos, sin, k2, v2, Hq, Hkv, Dh, 0.25, qn, kn, clip=clip, **kw), want)
-    close(k1, k2)
-    close(v1, v2, 0)
-
 # decode attention with sinks: one split and split contexts (the sink joins in the merge kernel), windows, and HF
 # eager's rounding (a no-op in fp32: this checks the two-pass kernel's arithmetic; the bf16 rounding is checked on GPU)
 for Tq, Lc, cases in ((3, 80, ((0, 0), (33, 0), (79, 0), (70, 20))), (1, 192, ((191, 0), (150, 64)))):

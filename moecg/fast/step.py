@@ -287,11 +287,11 @@ class FastDecode:
                 o = latent.attend(ops, L.mla, h, pos, cos, sin, clayers[i].keys, clayers[i].values)  # [T, H*Dv]
             else:
                 qkv = ops.linear(h, L.wqkv, L.bqkv, xq=hq)  # [T, (Hq+2Hkv)*Dh]
-                # q/k norm + rotary + this step's key and value into the cache + attention: one kernel
-                o, oq = _q(ops.rope_attn_decode(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q,
-                                                L.n_kv, L.head_dim, L.scaling, L.q_norm, L.k_norm, L.qk_eps,
-                                                clip=L.clip, window=L.window, sinks=L.sinks, eager=self.eager_attn,
-                                                quant=self._o_q[i]), self._o_q[i])  # [T, Hq*Dh]
+                q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
+                                   L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
+                o, oq = _q(ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
+                                           sinks=L.sinks, eager=self.eager_attn, quant=self._o_q[i]),
+                           self._o_q[i])  # [T, Hq*Dh]
             a = ops.linear_partials(o, L.wo, L.bo, xq=oq)  # [T, S, D]: S split-K partial rows, or the output
             pq, nq = self._post_q[i], self._in_q[i + 1]  # quant: the next GEMMs take fp8_dynamic inputs
             if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel

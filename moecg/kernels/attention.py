@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, pos_stride, split_sems
-from moecg.kernels.norm_rope import clip_v, rope_heads
 from moecg.kernels.quant import act_q8, act_quant_out
 
 
@@ -44,9 +43,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                         SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, EAGER: tl.constexpr,
                         TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr, SB: tl.constexpr = 1,
                         USE_PDL: tl.constexpr = 0, MERGE: tl.constexpr = 1, oq_ptr=None, os_ptr=None, s_oqt=0,
-                        s_ost=0, ROPE: tl.constexpr = 0, cos_ptr=None, sin_ptr=None, qn_ptr=None, kn_ptr=None,
-                        eps=0.0, clip=0.0, HQ: tl.constexpr = 1, R: tl.constexpr = 2, HAS_QKN: tl.constexpr = 0,
-                        NORM_FULL: tl.constexpr = 0, HAS_CLIP: tl.constexpr = 0):
+                        s_ost=0):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     hk = tl.program_id(1)
@@ -59,28 +56,10 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
     gi = tl.arange(0, GP)
     d = tl.arange(0, DH)
     gm = gi < G
+    q = tl.load(q_ptr + t * s_qt + (hk * G + gi)[:, None] * s_qh + d[None, :], mask=gm[:, None], other=0.0)
     dt = q_ptr.dtype.element_ty
     kb = k_ptr + t * s_kb + hk * s_kh
     vb = v_ptr + t * s_vb + hk * s_vh
-    # SPLIT: only the splits that hold keys at this step's position run (n_act of them, device-side: the grid is
-    # fixed by the cache's capacity); when one does (a short span), it writes the output itself, no merge
-    n_act = 1
-    if SPLIT:
-        n_act = tl.cdiv(n - lo, chunk)
-    if ROPE:  # q_ptr: the qkv rows; q's heads normed and rotated here, as rope_cache does
-        row = q_ptr + t * s_qt
-        q = rope_heads(row, hk * G + gi, gm, pos, cos_ptr, sin_ptr, qn_ptr, 0, HQ, eps, clip, dt, DH, R, HAS_QKN,
-                       NORM_FULL, HAS_CLIP)
-        if sp == n_act - 1:  # the split that holds slot pos writes this step's key and value there, then reads them
-            kh = HQ + hk + tl.zeros([1], dtype=tl.int32)
-            kn = rope_heads(row, kh, kh >= 0, pos, cos_ptr, sin_ptr, kn_ptr, HQ, tl.num_programs(1), eps, clip, dt,
-                            DH, R, HAS_QKN, NORM_FULL, HAS_CLIP)
-            tl.store(kb + pos * s_kl + d[None, :], kn)
-            vn = clip_v(tl.load(row + (HQ + tl.num_programs(1) + hk) * DH + d).to(tl.float32), clip, HAS_CLIP)
-            tl.store(vb + pos * s_vl + d, vn.to(v_ptr.dtype.element_ty))
-            tl.debug_barrier()  # the block's stores visible to its loads below
-    else:
-        q = tl.load(q_ptr + t * s_qt + (hk * G + gi)[:, None] * s_qh + d[None, :], mask=gm[:, None], other=0.0)
     if TWO_PASS:  # HF eager with sinks: softmax(round(cat(scores, sink) - max)), the max over keys and sink
         sk = tl.load(sink_ptr + hk * G + gi, mask=gm, other=0.0).to(tl.float32)
         m = sk
@@ -109,6 +88,11 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
         out = acc / l_i[:, None]
         store_out(o_ptr, out, t, s_ot, hk * G + gi, gm, d, DH, oq_ptr, os_ptr, s_oqt, s_ost)
     else:
+        # SPLIT: only the splits that hold keys at this step's position run (n_act of them, device-side: the grid is
+        # fixed by the cache's capacity); when one does (a short span), it writes the output itself, no merge
+        n_act = 1
+        if SPLIT:
+            n_act = tl.cdiv(n - lo, chunk)
         direct = n_act == 1
         if sp < n_act:
             if HAS_SINK:
@@ -306,39 +290,9 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     merge_block: splits per load of the in-kernel merge (None: attn_merge_block's choice). merge: 1 the last split
     merges in the kernel, 2 _attn_merge_kernel after it (None: 2 above MERGE_INLINE_MAX splits). quant: the output's
     act_quant too, second (as ref.attn_decode's), from the programs that write the output (store_out)."""
-    T, Hq, Dh = q.shape
-    return _attend(q, q.stride(0), q.stride(1), T, Hq, Dh, keys, values, pos, scaling, window, sinks, eager, quant,
-                   splits, merge_block, merge, {})
-
-
-@dry_zeros
-def rope_attn_decode(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: int, scaling: float,
-                     q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None, window: int = 0,
-                     sinks=None, eager: bool = False, quant: bool = False, splits: int | None = None,
-                     merge_block: int | None = None, merge: int | None = None):
-    """As ref.rope_attn_decode (rope_cache, then attn_decode), in one kernel: every program norms and rotates its
-    query heads from the qkv row itself (norm_rope.rope_heads, rope_cache's arithmetic), and the split that holds
-    slot pos writes the step's key and value into the cache before its loop reads them. Other arguments as
-    attn_decode's."""
-    T = qkv.shape[0]
-    R = cos.shape[-1]
-    assert qkv.stride(1) == 1 and keys.stride(3) == 1 and values.stride(3) == 1 and cos.is_contiguous()
-    assert R % 2 == 0 and R <= head_dim and sin.shape == cos.shape and keys.shape[1] == n_kv
-    assert qkv.shape[1] == (n_q + 2 * n_kv) * head_dim
-    rope = dict(ROPE=1, cos_ptr=cos, sin_ptr=sin, qn_ptr=q_norm if q_norm is not None else qkv,
-                kn_ptr=k_norm if k_norm is not None else qkv, eps=eps, clip=float(clip or 0.0), HQ=n_q, R=R,
-                HAS_QKN=q_norm is not None, NORM_FULL=q_norm is not None and q_norm.numel() != head_dim,
-                HAS_CLIP=clip is not None)
-    return _attend(qkv, qkv.stride(0), head_dim, T, n_q, head_dim, keys, values, pos, scaling, window, sinks, eager,
-                   quant, splits, merge_block, merge, rope)
-
-
-def _attend(q, s_qt, s_qh, T, Hq, Dh, keys, values, pos, scaling, window, sinks, eager, quant, splits, merge_block,
-            merge, rope: dict):
-    """The decode attention's launches: q [T, Hq, Dh] at strides (s_qt, s_qh), or with rope (rope_attn_decode's
-    arguments of the kernel) the qkv rows."""
     if merge not in (None, 1, 2):
         raise ValueError(f"attn_decode merge={merge!r}: 1 (in the kernel) or 2 (the merge kernel)")
+    T, Hq, Dh = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
     GP = max(16, p2(G))
@@ -364,11 +318,12 @@ def _attend(q, s_qt, s_qh, T, Hq, Dh, keys, values, pos, scaling, window, sinks,
     assert sinks is None or (sinks.is_contiguous() and sinks.numel() == Hq)
     sems = split_sems(q.device, T * Hkv, "attn") if splits > 1 and merge == 1 else o
     launch(_attn_decode_kernel, (T, Hkv, splits),
-        q, keys, values, pos, sk, o, m, l_, acc, sems, T, scaling, window, chunk, pos_stride(pos, T), s_qt, s_qh,
+        q, keys, values, pos, sk, o, m, l_, acc, sems, T, scaling, window, chunk, pos_stride(pos, T), q.stride(0),
+        q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, HAS_SINK=sinks is not None, EAGER=eager,
         TWO_PASS=two_pass, SUB_ROUND=two_pass and sinks.dtype == q.dtype,
-        SB=merge_block or attn_merge_block(GP, Dh), MERGE=merge, num_warps=4, **qargs, **rope, **pdl_args(q.device))
+        SB=merge_block or attn_merge_block(GP, Dh), MERGE=merge, num_warps=4, **qargs, **pdl_args(q.device))
     if splits > 1 and merge == 2:
         SP = p2(splits)
         launch(_attn_merge_kernel, (T, Hq), pos, sk, o, m, l_, acc, T, window, chunk, pos_stride(pos, T), o.stride(0),

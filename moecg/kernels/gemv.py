@@ -17,9 +17,8 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
-from moecg.kernels.quant import (a8_inputs, a8_mma_inputs, a8_tile, act_k, act_quant_out, check_block_k,
-                                 dequant_tile, fp8_dot, fp8_row_mac, mac, mac_init, mac_sum, store_act_quant, w_scales,
-                                 w_tile)
+from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, act_quant_out, check_block_k, dequant_tile, fp8_dot,
+                                 fp8_row_mac, mac, mac_init, mac_sum, store_act_quant, w_tile)
 from moecg.models.formats import BlockFp8, fp8_input
 
 
@@ -97,7 +96,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
                  s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0,
                  SPLIT: tl.constexpr = 1, kper=0, s_ys=0, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
-                 q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, PREFETCH: tl.constexpr = 0):
+                 q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT > 1:  # program_id(1) is the K split (one head): columns [sp * kper, (sp + 1) * kper) of K
         sp = tl.program_id(1)
@@ -114,11 +113,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     nm = n < N
     # the PDL wait before the first K step's weights, or with PRELOAD after them (no kernel writes weights: they then
     # load while the predecessor runs); one of the two calls waits, the other is mode 0 (nothing)
-    # PREFETCH: each K step's tile loads a step ahead (the second one beside the first, before the wait too)
     pdl_enter(USE_PDL * (1 - PRELOAD))
     w = w_tile(w_ptr, n, nm, k_lo, k_hi, s_wn, s_wk, BLOCK_K)
-    if PREFETCH:
-        w_n = w_tile(w_ptr, n, nm, k_lo + BLOCK_K, k_hi, s_wn, s_wk, BLOCK_K)  # masked past k_hi: nothing read
     pdl_enter(USE_PDL * PRELOAD)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
@@ -128,25 +124,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k_lo, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N, BLOCK_K,
                      DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt,
                      s_qs)  # every split has columns (linear_partials): the first step always runs
-    # PREFETCH on the FP8 MMA (A8, tensor cores): the step's input tile and both scales a step ahead too
-    PFA: tl.constexpr = PREFETCH and A8 and DOT
-    if PFA:
-        xq_n, xs_n = a8_mma_inputs(q_ptr, qs_ptr, t, tm, s_qt, s_qs, k_lo + BLOCK_K, k_hi, BLOCK_K)
-        sw_n = w_scales(ws_ptr + (n // QROWS) * s_sn, nm, k_lo + BLOCK_K, k_hi, s_sk)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        if PREFETCH:
-            w = w_n
-            w_n = w_tile(w_ptr, n, nm, k0 + BLOCK_K, k_hi, s_wn, s_wk, BLOCK_K)
-        else:
-            w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
-        if PFA:
-            xq, xs, sw = xq_n, xs_n, sw_n
-            xq_n, xs_n = a8_mma_inputs(q_ptr, qs_ptr, t, tm, s_qt, s_qs, k0 + BLOCK_K, k_hi, BLOCK_K)
-            sw_n = w_scales(ws_ptr + (n // QROWS) * s_sn, nm, k0 + BLOCK_K, k_hi, s_sk)
-            acc = fp8_dot(xq, xs, w, acc, ws_ptr, k0, s_sk, nm, BLOCK_T, sw)
-        else:
-            acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
-                             BLOCK_K, DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs)
+        w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
+        acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
+                         BLOCK_K, DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs)
     acc = mac_sum(acc, DOT, A8)
     if HAS_BIAS:  # split: once, in the first split's partial
         b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
@@ -179,7 +160,7 @@ def linear(x, w, bias=None, tiles=None, xq=None):
             y, T, N, K, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=rows,
             BLOCK_N=t.block_n,
             BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages,
-            PREFETCH=int(t.prefetch), **pdl_args(x.device, t.pdl_trigger, preload=True))
+            **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y
 
 
@@ -198,7 +179,7 @@ def router_logits(h, w, tiles=None):
     y = torch.empty(T, E, dtype=torch.float32, device=h.device)
     launch(_gemv_kernel, (triton.cdiv(E, t.block_n), 1, T), h, w, y, y, T, E, K, h.stride(0), w.stride(0),
            y.stride(0), HAS_BIAS=False, BLOCK_T=1, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps,
-           num_stages=t.stages, PREFETCH=int(t.prefetch), **pdl_args(h.device, t.pdl_trigger, preload=True))
+           num_stages=t.stages, **pdl_args(h.device, t.pdl_trigger, preload=True))
     return y
 
 
@@ -234,7 +215,7 @@ def linear_partials(x, w, bias=None, tiles=None, xq=None):
            bias if bias is not None else y, y, T, N, K, x.stride(0), q.stride(0), y.stride(1),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
            num_stages=t.stages, SPLIT=S, kper=kper, s_ys=y.stride(0), **extra,
-           PREFETCH=int(t.prefetch), **pdl_args(x.device, t.pdl_trigger, preload=True))
+           **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y.transpose(0, 1)  # [T, S, N]
 
 
@@ -261,7 +242,7 @@ def _linear_fp8(x, w, bias, tiles, xq=None):
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=_fp8_k(t.block_k, w, rows),
            num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows,
            A8=_a8(w), **a8_inputs(x, _a8(w), rows, xq),
-           PREFETCH=int(t.prefetch), **pdl_args(x.device, t.pdl_trigger, preload=True))
+           **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y
 
 
@@ -280,5 +261,5 @@ def head_linear(x, w, tiles=None):
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), H, triton.cdiv(T, rows)), x, w, y, y, T, N, K, x.stride(0),
            w.stride(1), y.stride(0), HAS_BIAS=False, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
            num_warps=t.warps, num_stages=t.stages, s_xh=x.stride(1), s_wh=w.stride(0), s_yh=y.stride(1),
-           s_wk=w.stride(2), PREFETCH=int(t.prefetch), **pdl_args(x.device, t.pdl_trigger, preload=True))
+           s_wk=w.stride(2), **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y

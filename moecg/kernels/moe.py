@@ -16,8 +16,8 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
-from moecg.kernels.quant import (a8_inputs, a8_mma_inputs, a8_tile, act_k, check_block_k, check_mx_k, dequant_tile,
-                                 fp8_dot, fp8_row_mac, mac, mac_init, mac_sum, mx_dot, w_scales, w_tile)
+from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, check_block_k, check_mx_k, dequant_tile, fp8_dot,
+                                 fp8_row_mac, mac, mac_init, mac_sum, mx_dot, w_tile)
 from moecg.models.formats import BlockFp8, Mxfp4, fp8_input
 
 
@@ -56,7 +56,7 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
              dt: tl.constexpr, K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr,
              ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, PAIRED: tl.constexpr = 0,
-             A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, PREFETCH: tl.constexpr = 0):
+             A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     """act(gate, up) of assignments `rows` [BLOCK_M] (token = row // K) for expert e's columns block nb
     -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask).
     QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.formats), each tile
@@ -68,10 +68,7 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
     (moecg.kernels.quant.mx_dot).
     PAIRED (interleaved gate/up, JM 2 JU 1; bf16 / fp32 weights): the 2 x BLOCK_N columns g0 u0 g1 u1 .. as one
     tile, one GEMM into [BLOCK_M, 2 x BLOCK_N] split into gate and up after the loop (the same products and sums per
-    column), so a transposed [E, D, 2I] weight (GPT-OSS) loads contiguous columns instead of two stride-2 halves.
-    PREFETCH (not mxfp4; the CUDA-core tiles, and the FP8 MMA of A8 with its input tile and scales): each K step's
-    weight tiles load one step ahead, issued before the step's products (twice the bytes in flight a program; the
-    same products in the same order)."""
+    column), so a transposed [E, D, 2I] weight (GPT-OSS) loads contiguous columns instead of two stride-2 halves."""
     tok = rows // K
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
@@ -99,49 +96,20 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
         wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
         wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
-        PF: tl.constexpr = PREFETCH and (not MX) and ((not DOT) or A8)
-        PFA: tl.constexpr = PF and A8 and DOT  # on the FP8 MMA, the input tile and both scales a step ahead too
-        sg_row = sb + (jg // QR) * s_sj  # the gate rows' scale rows (block-FP8)
-        su_row = sb + (ju // QR) * s_sj
-        if PF:  # the first step's tiles; each step then loads the next one's (masked past D: nothing read)
-            k1 = tl.arange(0, BLOCK_K)
-            g_n = tl.load(wg + k1[None, :] * s_wk, mask=nm[:, None] & (k1 < D)[None, :], other=0.0)
-            u_n = tl.load(wu + k1[None, :] * s_wk, mask=nm[:, None] & (k1 < D)[None, :], other=0.0)
-            if PFA:
-                xq_n, xs_n = a8_mma_inputs(q_ptr, qs_ptr, tok, rmask, s_qt, s_qs, 0, D, BLOCK_K)
-                sg_n = w_scales(sg_row, nm, 0, D, s_sk)
-                su_n = w_scales(su_row, nm, 0, D, s_sk)
         for k0 in range(0, D, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < D
-            if PF:
-                g = g_n
-                u = u_n
-                k1 = kk + BLOCK_K
-                g_n = tl.load(wg + k1[None, :] * s_wk, mask=nm[:, None] & (k1 < D)[None, :], other=0.0)
-                u_n = tl.load(wu + k1[None, :] * s_wk, mask=nm[:, None] & (k1 < D)[None, :], other=0.0)
-            if PFA:
-                xq, xs, sg, su = xq_n, xs_n, sg_n, su_n
-                xq_n, xs_n = a8_mma_inputs(q_ptr, qs_ptr, tok, rmask, s_qt, s_qs, k0 + BLOCK_K, D, BLOCK_K)
-                sg_n = w_scales(sg_row, nm, k0 + BLOCK_K, D, s_sk)
-                su_n = w_scales(su_row, nm, k0 + BLOCK_K, D, s_sk)
-                x = xq
-            else:
-                sg = None
-                su = None
-                x, xq, xs = a8_tile(x_ptr, tok, rmask, s_xt, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT,
-                                    BLOCK_K)
+            x, xq, xs = a8_tile(x_ptr, tok, rmask, s_xt, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
             if MX:
                 we = w_ptr + e.to(tl.int64) * s_we
                 acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
                 acc_u = mx_dot(x, acc_u, we, ju, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
             else:
-                if not PF:
-                    g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-                    u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+                g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+                u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
                 if A8 and DOT:
-                    acc_g = fp8_dot(xq, xs, g, acc_g, sg_row, k0, s_sk, nm, BLOCK_M, sg)
-                    acc_u = fp8_dot(xq, xs, u, acc_u, su_row, k0, s_sk, nm, BLOCK_M, su)
+                    acc_g = fp8_dot(xq, xs, g, acc_g, sb + (jg // QROWS) * s_sj, k0, s_sk, nm, BLOCK_M)
+                    acc_u = fp8_dot(xq, xs, u, acc_u, sb + (ju // QROWS) * s_sj, k0, s_sk, nm, BLOCK_M)
                 elif ROW_SCALE:  # one row: the scale on x (the tile's gate rows share a scale row, as its up rows)
                     j0 = nb * BLOCK_N * JM
                     acc_g = fp8_row_mac(x, g, acc_g, sb + (j0 // QROWS) * s_sj, k0, D, s_sk, BLOCK_K)
@@ -206,52 +174,26 @@ def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, 
 def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, w0=None, HAS_W0: tl.constexpr = 0,
-              A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, PREFETCH: tl.constexpr = 0):
+              A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     """The unrounded fp32 down-projection sum over I in [k_lo, k_hi) (never empty) of h rows `rows` for output
     columns block nb -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask). QROWS > 0: e4m3 weights, MX:
     mxfp4 ones ([E, D, I / 2]), as up_tile's. HAS_W0: w0 is the first K step's weight tile (quant.w_tile), loaded by the
-    caller (before its PDL wait), its step peeled from the loop: the same products in the same order. PREFETCH: as
-    up_tile's (each step's weight tile loaded one step ahead)."""
+    caller (before its PDL wait), its step peeled from the loop: the same products in the same order."""
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < D
     DOT: tl.constexpr = BLOCK_M >= 16  # as up_tile's
     ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # as up_tile's
     acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
     k_first = k_lo
-    PF: tl.constexpr = PREFETCH and (not MX) and ((not DOT) or A8)
-    PFA: tl.constexpr = PF and A8 and DOT  # on the FP8 MMA, the input tile and both scales a step ahead too
-    if PF:
-        w_e = w_ptr + e.to(tl.int64) * s_we
-        if HAS_W0:
-            w_n = w0
-        else:
-            w_n = w_tile(w_e, n, nm, k_lo, k_hi, s_wn, s_wk, BLOCK_K)
-        if PFA:
-            s_row = ws_ptr + e.to(tl.int64) * s_se + (n // (QROWS + (QROWS == 0))) * s_sj
-            hq_n, hs_n = a8_mma_inputs(q_ptr, qs_ptr, rows, rmask, s_qt, s_qs, k_lo, k_hi, BLOCK_K)
-            sw_n = w_scales(s_row, nm, k_lo, k_hi, s_sk)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            w = w_n
-            w_n = w_tile(w_e, n, nm, k0 + BLOCK_K, k_hi, s_wn, s_wk, BLOCK_K)  # past k_hi: masked, nothing read
-            if PFA:
-                hq, hs, sw = hq_n, hs_n, sw_n
-                hq_n, hs_n = a8_mma_inputs(q_ptr, qs_ptr, rows, rmask, s_qt, s_qs, k0 + BLOCK_K, k_hi, BLOCK_K)
-                sw_n = w_scales(s_row, nm, k0 + BLOCK_K, k_hi, s_sk)
-                acc = fp8_dot(hq, hs, w, acc, s_row, k0, s_sk, nm, BLOCK_M, sw)
-            else:
-                acc = _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk,
-                                 BLOCK_K, BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, True, A8,
-                                 q_ptr, qs_ptr, s_qt, s_qs)
-    else:
-        if HAS_W0:  # the first step peeled (only here: the tl.dot tiles keep the plain loop, measured faster)
-            acc = _down_step(h_ptr, rows, rmask, w0, acc, e, nb, n, nm, w_ptr, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
-                             BLOCK_K, BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, True, A8, q_ptr,
-                             qs_ptr, s_qt, s_qs)
-            k_first = k_lo + BLOCK_K
-        for k0 in range(k_first, k_hi, BLOCK_K):
-            acc = _down_step(h_ptr, rows, rmask, nm, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk,
-                             BLOCK_K, BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, False, A8, q_ptr,
-                             qs_ptr, s_qt, s_qs)
+    if HAS_W0:  # the first step peeled (only here: the tl.dot tiles keep the plain loop, measured faster)
+        acc = _down_step(h_ptr, rows, rmask, w0, acc, e, nb, n, nm, w_ptr, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
+                         BLOCK_K, BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, True, A8, q_ptr, qs_ptr,
+                         s_qt, s_qs)
+        k_first = k_lo + BLOCK_K
+    for k0 in range(k_first, k_hi, BLOCK_K):
+        acc = _down_step(h_ptr, rows, rmask, nm, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk, BLOCK_K,
+                         BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, False, A8, q_ptr, qs_ptr,
+                         s_qt, s_qs)
     acc = mac_sum(acc, DOT, A8)
     return acc, n, nm
 
@@ -270,12 +212,12 @@ def _down_round(acc, e, n, nm, b_ptr, s_be, dt: tl.constexpr, HAS_BIAS: tl.const
 def down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
                dt: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
-               A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, PREFETCH: tl.constexpr = 0):
+               A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     """Expert e's down projection of h rows `rows` for output columns block nb, rounded (and biased) as HF
     -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask); the caller applies the routing weight."""
     acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
                            BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, A8=A8, q_ptr=q_ptr,
-                           qs_ptr=qs_ptr, s_qt=s_qt, s_qs=s_qs, PREFETCH=PREFETCH)
+                           qs_ptr=qs_ptr, s_qt=s_qt, s_qs=s_qs)
     return _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS), n, nm
 
 
@@ -307,8 +249,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                    USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
-                   PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0,
-                   PREFETCH: tl.constexpr = 0):
+                   PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     mb = tl.program_id(1)
@@ -340,7 +281,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
         dt = h_ptr.dtype.element_ty
         hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
                              limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
-                             QROWS, MX, PAIRED, A8, q_ptr, qs_ptr, s_qt, s_qs, PREFETCH)
+                             QROWS, MX, PAIRED, A8, q_ptr, qs_ptr, s_qt, s_qs)
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
@@ -350,7 +291,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk,
                      QROWS: tl.constexpr, MX: tl.constexpr, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
-                     q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, PREFETCH: tl.constexpr = 0):
+                     q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     """SPLIT > 1 (split-K over I, for batch-1 steps whose column blocks alone are too few programs): each of a
     tile's SPLIT programs stores its fp32 partial sum, and the last to finish (a per-tile counter) adds the
     partials in split order, so the result is deterministic and rounded once, as without splits; it then
@@ -390,7 +331,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
         if SPLIT == 1:
             acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
                                    BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, w0, PRE, A8,
-                                   q_ptr, qs_ptr, s_qt, s_qs, PREFETCH)
+                                   q_ptr, qs_ptr, s_qt, s_qs)
             o = _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS)
             tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
@@ -398,7 +339,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
             k_lo = ks * k_chunk
             acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, tl.minimum(k_lo + k_chunk, I),
                                    s_hs, s_we, s_wn, s_wk, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS,
-                                   MX, w0, PRE, A8, q_ptr, qs_ptr, s_qt, s_qs, PREFETCH)
+                                   MX, w0, PRE, A8, q_ptr, qs_ptr, s_qt, s_qs)
             om = rmask[:, None] & nm[None, :]
             tile_off = rows[:, None] * D + n[None, :]  # part: [SPLIT, S, D] fp32
             tl.store(part_ptr + ks * S * D + tile_off, acc, mask=om)
@@ -512,7 +453,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         c.tokens if c is not None else h, S, int(by_slot), D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
         K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=a.jm, JU=a.ju, PAIRED=a.paired(t),
-        HAS_BIAS=gate_up_bias is not None, ACT=a.act, PREFETCH=int(t.prefetch),
+        HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale, bm), BLOCK_S=64, num_warps=t.warps,
         num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], bm, xq),
         **pdl_args(x.device, t.pdl_trigger))
@@ -529,8 +470,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         h, idx, valid if valid is not None else idx, wc, down, down_bias if down_bias is not None else h, y, part,
         sems, S, int(by_slot), D, inter, k_chunk, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
-        HAS_BIAS=down_bias is not None, SPLIT=split, PREFETCH=int(t.prefetch), BLOCK_M=bm, BLOCK_N=t.down_n,
-        BLOCK_K=down_k, BLOCK_S=64,
+        HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=down_k, BLOCK_S=64,
         num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale["A8"], bm),
         **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y

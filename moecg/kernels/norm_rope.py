@@ -93,57 +93,7 @@ def add_rmsnorm(y, residual, weight, eps: float, shared=None, shared_gate=None, 
 # One program per (row, head). Each program loads its whole head and, for the rotary dims, each element's
 # rotate_half partner (a second gather of the same cache lines), so a rotary part narrower than the head (partial
 # rotary) needs no power-of-two split. A norm over the whole projection (OLMoE) sums the squares of every head of
-# the projection in each program: Hq*Dh elements, a few KB, re-read from L1/L2. The decode attention runs the same
-# arithmetic itself where the fused step calls rope_attn_decode (moecg.kernels.attention): rope_heads serves both.
-@triton.jit
-def rope_heads(row, hh, hm, pos, cos_ptr, sin_ptr, nw_ptr, p0, nh, eps, clip, dt: tl.constexpr, DH: tl.constexpr,
-               R: tl.constexpr, HAS_NORM: tl.constexpr, NORM_FULL: tl.constexpr, HAS_CLIP: tl.constexpr):
-    """Heads hh [H] (masked by hm) of one qkv row (row: its pointer, head h's DH values at row + h * DH): RMSNorm
-    (HAS_NORM: weights nw_ptr per head, or with NORM_FULL over the projection's nh heads from head p0, one weight per
-    projection column), clip (HAS_CLIP) and the rotary at slot pos (cos/sin [L, R]; dims past R pass through)
-    -> [H, DH] in dt, rounded as HF's modules: dt after each elementwise op."""
-    d = tl.arange(0, DH)
-    half: tl.constexpr = R // 2
-    rot = d < R
-    partner = tl.where(d < half, d + half, d - half)  # rotate_half(x)[d] = -x[d + R/2] | x[d - R/2]
-    base = row + hh[:, None] * DH
-    x = tl.load(base + d[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
-    xp = tl.load(base + partner[None, :], mask=hm[:, None] & rot[None, :], other=0.0).to(tl.float32)
-    if HAS_NORM:
-        if NORM_FULL:
-            ss = tl.zeros([DH], dtype=tl.float32)
-            for j in range(0, nh):
-                xj = tl.load(row + (p0 + j) * DH + d).to(tl.float32)
-                ss += xj * xj
-            r = tl.rsqrt(tl.sum(ss, axis=0) / (nh * DH) + eps)
-            wo = (hh - p0) * DH  # the head's weights within its projection's
-        else:
-            r = tl.rsqrt(tl.sum(x * x, axis=1) / DH + eps)[:, None]
-            wo = hh * 0
-        nw = tl.load(nw_ptr + wo[:, None] + d[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
-        nwp = tl.load(nw_ptr + wo[:, None] + partner[None, :], mask=hm[:, None] & rot[None, :],
-                      other=0.0).to(tl.float32)
-        x = (nw * (x * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        xp = (nwp * (xp * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    if HAS_CLIP:
-        x = tl.minimum(tl.maximum(x, -clip), clip)
-        xp = tl.minimum(tl.maximum(xp, -clip), clip)
-    c = tl.load(cos_ptr + pos * R + d, mask=rot, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * R + d, mask=rot, other=0.0).to(tl.float32)[None, :]
-    xr = tl.where((d < half)[None, :], -xp, xp)
-    # (x * cos) + (rotate_half(x) * sin); dt after each op as HF; dims past R pass through
-    o = ((x * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
-    return tl.where(rot[None, :], o, x.to(dt))
-
-
-@triton.jit
-def clip_v(x, clip, HAS_CLIP: tl.constexpr):
-    """A v head as the cache takes it: clipped where the model clips qkv (fp32 in, fp32 out)."""
-    if HAS_CLIP:
-        x = tl.minimum(tl.maximum(x, -clip), clip)
-    return x
-
-
+# the projection in each program: Hq*Dh elements, a few KB, re-read from L1/L2.
 @triton.jit(do_not_specialize=["T"])
 def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, q_ptr, qn_ptr, kn_ptr,
                        T, eps, clip, s_pos, s_qkv, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_qt, s_qh,
@@ -157,19 +107,55 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, q_ptr, 
     pos = tl.load(pos_ptr + t * s_pos)  # s_pos 0: one position for every row; 1: each row's own
     dt = q_ptr.dtype.element_ty
     row = qkv_ptr + t * s_qkv
-    hh = h + tl.zeros([1], dtype=tl.int32)
+    x = tl.load(row + h * DH + d).to(tl.float32)
     if h >= HQ + HKV:  # v: (clip and) copy into the cache
-        x = clip_v(tl.load(row + h * DH + d).to(tl.float32), clip, HAS_CLIP)
+        if HAS_CLIP:
+            x = tl.minimum(tl.maximum(x, -clip), clip)
         hv = h - HQ - HKV
         tl.store(v_ptr + t * s_vb + hv * s_vh + pos * s_vl + d, x.to(v_ptr.dtype.element_ty))
-    elif h < HQ:
-        o = rope_heads(row, hh, hh >= 0, pos, cos_ptr, sin_ptr, qn_ptr, 0, HQ, eps, clip, dt, DH, R, HAS_QKN,
-                       NORM_FULL, HAS_CLIP)
-        tl.store(q_ptr + t * s_qt + h * s_qh + d[None, :], o)
     else:
-        o = rope_heads(row, hh, hh >= 0, pos, cos_ptr, sin_ptr, kn_ptr, HQ, HKV, eps, clip, dt, DH, R, HAS_QKN,
-                       NORM_FULL, HAS_CLIP)
-        tl.store(k_ptr + t * s_kb + (h - HQ) * s_kh + pos * s_kl + d[None, :], o)
+        half: tl.constexpr = R // 2
+        rot = d < R
+        partner = tl.where(d < half, d + half, d - half)  # rotate_half(x)[d] = -x[d + R/2] | x[d - R/2]
+        xp = tl.load(row + h * DH + partner, mask=rot, other=0.0).to(tl.float32)
+        if HAS_QKN:
+            isq = h < HQ
+            hl = tl.where(isq, h, h - HQ)  # head index within its projection
+            if NORM_FULL:
+                nh = tl.where(isq, HQ, HKV)
+                p0 = tl.where(isq, 0, HQ)  # first head of this projection
+                ss = tl.zeros([DH], dtype=tl.float32)
+                for j in range(0, nh):
+                    xj = tl.load(row + (p0 + j) * DH + d).to(tl.float32)
+                    ss += xj * xj
+                var = tl.sum(ss, axis=0) / (nh * DH)
+                wo = hl * DH
+            else:
+                var = tl.sum(x * x, axis=0) / DH
+                wo = 0
+            r = tl.rsqrt(var + eps)
+            # masked loads select the q or k weight: an unmasked load of the other one could run past its end
+            mq = (h + d * 0) < HQ  # [DH]
+            nw = (tl.load(qn_ptr + wo + d, mask=mq, other=0.0).to(tl.float32)
+                  + tl.load(kn_ptr + wo + d, mask=~mq, other=0.0).to(tl.float32))
+            nwp = (tl.load(qn_ptr + wo + partner, mask=mq & rot, other=0.0).to(tl.float32)
+                   + tl.load(kn_ptr + wo + partner, mask=~mq & rot, other=0.0).to(tl.float32))
+            x = (nw * (x * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xp = (nwp * (xp * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        if HAS_CLIP:
+            x = tl.minimum(tl.maximum(x, -clip), clip)
+            xp = tl.minimum(tl.maximum(xp, -clip), clip)
+        c = tl.load(cos_ptr + pos * R + d, mask=rot, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos * R + d, mask=rot, other=0.0).to(tl.float32)
+        xr = tl.where(d < half, -xp, xp)
+        # (x * cos) + (rotate_half(x) * sin); bf16 after each op as HF; dims past R pass through
+        o = ((x * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
+        o = tl.where(rot, o, x.to(dt))
+        if h < HQ:
+            dst = q_ptr + t * s_qt + h * s_qh
+        else:
+            dst = k_ptr + t * s_kb + (h - HQ) * s_kh + pos * s_kl
+        tl.store(dst + d, o)
 
 
 @dry_zeros

@@ -161,29 +161,11 @@ def act_values(q, s, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def a8_mma_inputs(q_ptr, qs_ptr, rows, rmask, s_qt, s_qs, k0, k_hi, BLOCK_K: tl.constexpr):
-    """a8_tile's tensor-core operands at columns k0 .. (BLOCK_K 128; from k_hi on masked, nothing read): the rows'
-    e4m3 values [rows, BLOCK_K] and scales [rows, 1], loaded a step ahead by the kernels' prefetch."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    xq = tl.load(q_ptr + rows[:, None] * s_qt + k[None, :], mask=rmask[:, None] & (k < k_hi)[None, :], other=0.0)
-    xs = tl.load(qs_ptr + rows * s_qs + k0 // 128, mask=rmask & (rows * 0 + k0 < k_hi), other=1.0)[:, None]
-    return xq, xs
-
-
-@triton.jit
-def w_scales(srow_ptr, nmask, k0, k_hi, s_sk):
-    """fp8_dot's weight scales of rows srow_ptr [BLOCK_N] at column k0 / 128 (from k_hi on masked, nothing read)."""
-    return tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask & (nmask.to(tl.int32) * 0 + k0 < k_hi), other=0.0)
-
-
-@triton.jit
-def fp8_dot(q, s, w, acc, srow_ptr, k0, s_sk, nmask, BLOCK_M: tl.constexpr, sw=None):
+def fp8_dot(q, s, w, acc, srow_ptr, k0, s_sk, nmask, BLOCK_M: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] (mac_init's with A8: transposed) + (w [BLOCK_N, 128] (e4m3 as stored) @ q [BLOCK_M,
     128]^T (act_q8's e4m3 values)) on an FP8 MMA with the weight rows as its M (64+ rows take wgmma), times each weight
-    row's block scale (srow_ptr [BLOCK_N], column k0 / 128; sw: those scales, loaded by the caller) and each
-    activation row's scale s [BLOCK_M, 1]."""
-    if sw is None:
-        sw = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask, other=0.0)  # [BLOCK_N]
+    row's block scale (srow_ptr [BLOCK_N], column k0 / 128) and each activation row's scale s [BLOCK_M, 1]."""
+    sw = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask, other=0.0)  # [BLOCK_N]
     d = tl.dot(w, tl.trans(q.to(w.dtype)))  # [BLOCK_N, BLOCK_M]
     return acc + d * sw[:, None] * tl.reshape(s, (BLOCK_M,))[None, :]
 

@@ -115,15 +115,6 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     return (o, act_quant(o)) if quant else o
 
 
-def rope_attn_decode(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: int, scaling: float,
-                     q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None, window: int = 0,
-                     sinks=None, eager: bool = False, quant: bool = False):
-    """rope_cache, then attn_decode with its q (the fused step's attention, one kernel on Triton): the step's key and
-    value written into the cache at pos, the output (and with quant its act_quant) as attn_decode's."""
-    q = rope_cache(qkv, pos, cos, sin, keys, values, n_q, n_kv, head_dim, q_norm, k_norm, eps, clip)
-    return attn_decode(q, keys, values, pos, scaling, window, sinks, eager, quant)
-
-
 def _attn_decode(q, keys, values, pos, scaling: float, window: int, sinks, eager: bool):
     T, Hq, Dh = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]

@@ -42,7 +42,6 @@ class MoeTiles:
     down_split: int = 1  # split-K of the down GEMM over I (batch-1 steps: more programs); deterministic, rounded once
     pdl_trigger: bool = True  # under PDL mode 2, the MoE kernels trigger their successor's launch at their start
     paired: bool = True  # interleaved gate/up columns (GPT-OSS) as one 2 x up_n tile (False: two stride-2 loads)
-    prefetch: bool = False  # CUDA-core tiles (block_m < 16) and the A8 FP8 MMA: each K step's operands a step ahead
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,6 @@ class GemvTiles:
     pdl_trigger: bool = True  # under PDL mode 2, trigger the successor's launch at the start (False: as blocks exit)
     split_k: int = 1  # K split this many ways into fp32 partial rows the consumer adds (gemv.linear_partials only)
     rows: int = 16  # rows of x per program: 16 on tl.dot; fewer (1 at batch 1): their products on the CUDA cores
-    prefetch: bool = False  # each K step's weight tile loaded one step ahead (the first two before the PDL wait)
 
 
 @dataclass(frozen=True)
