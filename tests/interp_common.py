@@ -1,16 +1,25 @@
 """What the Triton-interpreter scripts (tests/triton_interp_*.py, run by their test files as subprocesses under
-TRITON_INTERPRET=1; not collected by pytest: no test_ prefix) share: the closeness check and the whole-model
-comparison of the fused decode step with the Triton ops against the same step with the torch ops."""
+TRITON_INTERPRET=1; not collected by pytest: no test_ prefix) share, with the GPU tests where they check the same: the
+closeness check, a producer's quantized output against act_quant, and the whole-model comparison of the fused decode
+step with the Triton ops against the same step with the torch ops."""
 import torch
 
 from moecg.dispatch import attach, detach, make_dispatcher, state_of
 from moecg.engine import DecodeEngine
 from moecg.fast import FastDecode
+from moecg.models.formats import act_quant
 
 
 def close(a, b, tol=1e-5):
     err = float((a.float() - b.float()).abs().max())
     assert err <= tol, err
+
+
+def same_quant(got, x):
+    """got, a kernel's (e4m3 values, fp32 scales) of x, is act_quant(x) bit for bit (the values compared as bytes: -0
+    and +0 differ)."""
+    q, s = act_quant(x)
+    assert torch.equal(got[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[1], s)
 
 
 def fused_backends_agree(model, prompts, cache_len: int, new_tokens: int, label: str = "") -> list[FastDecode]:

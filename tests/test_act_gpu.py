@@ -27,6 +27,7 @@ from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 from moecg.models.formats import act_quant, expand_scale, quantize_stacked  # noqa: E402
 from moecg.moe_math import assign_slots, kept_weights  # noqa: E402
+from interp_common import same_quant  # noqa: E402 (tests/)
 
 BF = torch.bfloat16
 
@@ -105,11 +106,6 @@ def test_in_kernel_quantization_is_act_quant_bit_for_bit(dtype):
         assert not bad and torch.equal(got_s, rs), (detail, (got_s != rs).nonzero().tolist()[:4])
 
 
-def _same_quant(got, x):
-    q, sc = act_quant(x)
-    assert torch.equal(got[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[1], sc)
-
-
 @pytest.mark.parametrize("T", [1, 8])
 def test_producers_quantize_their_outputs_as_act_quant(T):
     """The kernels whose outputs feed fp8_dynamic GEMMs write those outputs' act_quant beside them (`quant`), bit for
@@ -121,18 +117,18 @@ def test_producers_quantize_their_outputs_as_act_quant(T):
     for D in (2048, 2880):
         y, res, nw = rnd(T, 1, D), rnd(T, D), rnd(D)
         _, h, hq = tri.add_rmsnorm(y, res, nw, 1e-6, quant=True)
-        _same_quant(hq, h)
+        same_quant(hq, h)
         _, h, _, _, hq = tri.norm_route(y, res, nw, 1e-6, rnd(128, D), 8, True, BF, quant=True)
-        _same_quant(hq, h)
+        same_quant(hq, h)
     Hq, Hkv, Dh, L = 32, 4, 128, 4096
     q, kc, vc = rnd(T, Hq, Dh), rnd(T, Hkv, L, Dh), rnd(T, Hkv, L, Dh)
     for p, splits, merge in ((40, None, None), (4000, 16, 1), (4000, 64, 2)):
         pos = torch.full((T,), p, device="cuda")
         o, oq = tri.attn_decode(q, kc, vc, pos, 0.08, splits=splits, merge=merge, quant=True)
         assert torch.equal(o, tri.attn_decode(q, kc, vc, pos, 0.08, splits=splits, merge=merge))
-        _same_quant(oq, o)
+        same_quant(oq, o)
     h, hq = tri.silu_mul(rnd(T, 2 * 768), 768, quant=True)
-    _same_quant(hq, h)
+    same_quant(hq, h)
     w = _a8(quantize_stacked(torch.randn(2048, 768, device="cuda", generator=g) * 0.02, 1, BF))
     assert torch.equal(tri.linear(h, w, xq=hq), tri.linear(h, w))
 

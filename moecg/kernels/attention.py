@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, pos_stride, split_sems
-from moecg.kernels.quant import act_q8, act_quant_out
+from moecg.kernels.quant import act_quant_out, store_act_quant_tile
 
 
 # decode attention: one program per (row, kv head, split of the context); the query heads of a kv group
@@ -174,15 +174,12 @@ def _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, split
 @triton.jit
 def store_out(o_ptr, out, t, s_ot, hh, hm, d, DH: tl.constexpr, oq_ptr, os_ptr, s_oqt, s_ost):
     """Row t's outputs out [H, DH] (fp32) of heads hh [H] (masked by hm) in o's dtype; with oq_ptr (quant) also
-    their act_quant, per head's 128-column blocks (DH a multiple of 128): e4m3 values at oq_ptr + t * s_oqt, scales
-    at os_ptr + t * s_ost (head h's at columns h * DH / 128 ..), as quant.store_act_quant stores a row's."""
+    their act_quant, per head's 128-column blocks (DH a multiple of 128; quant.store_act_quant_tile, a head a
+    segment)."""
     o = out.to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + t * s_ot + hh[:, None] * DH + d[None, :], o, mask=hm[:, None])
     if oq_ptr is not None:
-        q, s = act_q8(o.to(tl.float32), hh.shape[0], DH)
-        tl.store(oq_ptr + t * s_oqt + hh[:, None] * DH + d[None, :], q.to(oq_ptr.dtype.element_ty), mask=hm[:, None])
-        j = tl.arange(0, DH // 128)
-        tl.store(os_ptr + t * s_ost + hh[:, None] * (DH // 128) + j[None, :], s, mask=hm[:, None])
+        store_act_quant_tile(o, t, hh * DH, hm, oq_ptr, os_ptr, s_oqt, s_ost, DH)
 
 
 @triton.jit(do_not_specialize=["T", "window", "chunk"])

@@ -38,7 +38,7 @@ def _silu_mul_kernel(gu_ptr, h_ptr, T, I, s_gt, s_ht, BLOCK: tl.constexpr, USE_P
     h = (a * u).to(dt)
     tl.store(h_ptr + t * s_ht + offs, h, mask=m)
     if q_ptr is not None:  # quant: its act_quant too, for the fp8_dynamic down projection after it
-        store_act_quant(h, t, tl.program_id(1) * BLOCK, offs, m, I, q_ptr, qs_ptr, s_qt, s_qs, BLOCK)
+        store_act_quant(h, t, tl.program_id(1) * BLOCK, I, q_ptr, qs_ptr, s_qt, s_qs, BLOCK)
 
 
 @dry_zeros

@@ -61,7 +61,7 @@ def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_re
     h = (w * yn).to(dt)
     tl.store(out_ptr + t * s_ot + offs, h, mask=m)
     if q_ptr is not None:  # quant: the row's act_quant too, for the fp8_dynamic GEMMs after it
-        store_act_quant(h, t, 0, offs, m, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D)
+        store_act_quant(h, t, 0, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D)
 
 
 @dry_zeros

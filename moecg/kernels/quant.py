@@ -231,15 +231,30 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def store_act_quant(h, t, c0, offs, m, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D: tl.constexpr):
-    """Row t's values h [BLOCK_D] at columns offs = c0 + arange (c0 a multiple of 128; masked by m, zeros past D;
-    BLOCK_D a multiple of 128) as moecg.models.formats.act_quant: e4m3 values at q_ptr + t * s_qt + column, one fp32
-    scale per 128 columns at qs_ptr + t * s_qs + column / 128 (act_q8, the arithmetic the GEMM kernels use when they
-    quantize an input themselves)."""
-    q, s = act_q8(h.to(tl.float32)[None, :], 1, BLOCK_D)
-    tl.store(q_ptr + t * s_qt + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=m[None, :])
-    j = c0 // 128 + tl.arange(0, BLOCK_D // 128)
-    tl.store(qs_ptr + t * s_qs + j[None, :], s, mask=(j * 128 < D)[None, :])
+def store_act_quant(h, t, c0, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D: tl.constexpr):
+    """Row t's values h [BLOCK_D] at columns c0 .. (c0 a multiple of 128; BLOCK_D a multiple of 128; columns from D on
+    not stored) as moecg.models.formats.act_quant: store_act_quant_tile's one segment."""
+    col0 = c0 + tl.zeros([1], dtype=tl.int32)
+    store_act_quant_tile(h[None, :], t, col0, col0 >= 0, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D, D)
+
+
+@triton.jit
+def store_act_quant_tile(v, t, col0, rm, q_ptr, qs_ptr, s_qt, s_qs, W: tl.constexpr, D=None):
+    """Row t's values v [R, W] (R segments of W columns, segment r from column col0[r], a multiple of 128; rm [R]
+    masks segments; D: columns from D on are not stored; W a multiple of 128) as moecg.models.formats.act_quant:
+    e4m3 values at q_ptr + t * s_qt + column, one fp32 scale per 128 columns at qs_ptr + t * s_qs + column / 128
+    (act_q8, the arithmetic the GEMM kernels use when they quantize an input themselves). Every producer's `quant`
+    stores through it: a norm's or silu_mul's row (store_act_quant), the attention's heads (attention.store_out)."""
+    q, s = act_q8(v.to(tl.float32), v.shape[0], W)
+    c = col0[:, None] + tl.arange(0, W)[None, :]
+    j = col0[:, None] // 128 + tl.arange(0, W // 128)[None, :]
+    cm = rm[:, None] & (c >= 0)
+    jm = rm[:, None] & (j >= 0)
+    if D is not None:
+        cm = cm & (c < D)
+        jm = jm & (j * 128 < D)
+    tl.store(q_ptr + t * s_qt + c, q.to(q_ptr.dtype.element_ty), mask=cm)
+    tl.store(qs_ptr + t * s_qs + j, s, mask=jm)
 
 
 def act_quant_out(T: int, D: int, device, quant: bool, names=("q_ptr", "qs_ptr", "s_qt", "s_qs")) -> tuple:

@@ -132,7 +132,7 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
         tl.store(out_res_ptr + t * s_ort + kk, out.to(dt), mask=km)
         tl.store(out_ptr + t * s_ot + kk, h, mask=km)
         if q_ptr is not None:  # quant: h's act_quant too, for the experts' fp8_dynamic GEMMs
-            store_act_quant(h, t, 0, kk, km, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D)
+            store_act_quant(h, t, 0, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D)
     lg = tl.sum(wr.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
     lg = lg.to(dt).to(tl.float32)  # the router linear's output dtype
     if HAS_SKEW:
