@@ -18,9 +18,6 @@ pytestmark = pytest.mark.gpu
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from moecg.capture import Capture  # noqa: E402
-from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
-from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
 from moecg.kernels.quant import act_q8, quantize_rows  # noqa: E402
 from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles  # noqa: E402
@@ -28,6 +25,7 @@ from moecg.models import build_model  # noqa: E402
 from moecg.models.formats import act_quant, expand_scale, quantize_stacked  # noqa: E402
 from moecg.moe_math import assign_slots, kept_weights  # noqa: E402
 from interp_common import same_quant  # noqa: E402 (tests/)
+from forced_runs import captured_run, hf_reference, prompts_for  # noqa: E402 (tests/)
 
 BF = torch.bfloat16
 
@@ -178,22 +176,11 @@ def test_fused_full_capture_on_quantized_inputs_matches_hf(preset, over):
     nearly everywhere, every real token routed K times per layer."""
     m = build_model(preset, dtype="bf16", device="cuda", seed=1, weights="fp8_block", activations="fp8_dynamic",
                     config_overrides=over).model
-    prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
-    attach(m, make_dispatcher("dropless"), max_rows=8)
-    r_ref = DecodeEngine(m, 64, 8).generate(prompts, 16, keep_logits=True, timing=False)
-    s_ref = state_of(m).snapshot()
-    detach(m)
-    attach(m, make_dispatcher("fused"), max_rows=8)
-    eng = DecodeEngine(m, 64, 8)
-    cap = Capture(eng, "full", buckets=(1, 2, 4, 8), kernels="fused").apply()
-    assert cap.stats()["kernel_backend"] == "triton" and cap.captured
-    r = eng.generate(prompts, 16, keep_logits=True, timing=False, force_tokens=r_ref.tokens)
-    s = state_of(m).snapshot()
-    agree = float((r.tokens == r_ref.tokens).float().mean())
-    diff = max(float((a - c).abs().max()) for a, c in zip(r.logits, r_ref.logits))
-    print(f"{preset} {over or ''} fp8_dynamic fused: forced agreement {agree:.3f}, max logit diff {diff:.4f}")
+    prompts = prompts_for(m)
+    r_ref, s_ref = hf_reference(m, prompts)
+    f = captured_run(m, prompts, r_ref)
+    print(f"{preset} {over or ''} fp8_dynamic fused: forced agreement {f.agreement:.3f}, max logit diff "
+          f"{f.max_logit_diff:.4f}")
     # random tiny models' near-tie logits, and the e4m3 flips of each layer's inputs where the kernels' exact products
     # and the reference's bf16 operands round a value apart (see _close_flips): 0.94-0.98 measured, W8A16 0.95+
-    assert agree >= 0.9 and s["routed_assignments"] == s_ref["routed_assignments"]
-    cap.unwrap()
-    detach(m)
+    assert f.agreement >= 0.9 and f.state["routed_assignments"] == s_ref["routed_assignments"]

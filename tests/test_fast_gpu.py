@@ -14,13 +14,14 @@ if not torch.cuda.is_available():
 pytestmark = pytest.mark.gpu
 
 from moecg.capture import Capture  # noqa: E402
-from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
+from moecg.dispatch import attach, detach, make_dispatcher  # noqa: E402
 from moecg.dispatch.state import LayerCounters  # noqa: E402
 from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import launch, ref, triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import MoeTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 from model_terms import randomise_terms  # noqa: E402 (tests/)
+from forced_runs import captured_run, hf_reference, prompts_for  # noqa: E402 (tests/)
 
 BF = torch.bfloat16
 
@@ -149,28 +150,16 @@ def test_attention_split_merge_in_kernel_long_context(T):
 @pytest.mark.parametrize("preset", ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny"])
 def test_fused_full_capture_matches_hf_eager(preset):
     """Whole models, bf16: the fused step captured per bucket (3 real rows in bucket 4) gives HF's greedy tokens."""
-    b = build_model(preset, dtype="bf16", device="cuda", seed=1)
-    m = b.model
-    prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
-    attach(m, make_dispatcher("dropless"), max_rows=8)
-    r_ref = DecodeEngine(m, 64, 8).generate(prompts, 16, keep_logits=True, timing=False)
-    s_ref = state_of(m).snapshot()
-    detach(m)
-    attach(m, make_dispatcher("fused"), max_rows=8)
-    eng = DecodeEngine(m, 64, 8)
-    cap = Capture(eng, "full", buckets=(1, 2, 4, 8), kernels="fused").apply()
-    assert cap.stats()["kernel_backend"] == "triton" and cap.captured
-    r = eng.generate(prompts, 16, keep_logits=True, timing=False)
-    s = state_of(m).snapshot()
-    agree = float((r.tokens == r_ref.tokens).float().mean())
-    diff = max(float((a - c).abs().max()) for a, c in zip(r.logits, r_ref.logits))
-    print(f"{preset}: agreement {agree:.3f}, max logit diff {diff:.4f}, replays {cap.stats()['buckets']}")
-    assert agree == 1.0
+    m = build_model(preset, dtype="bf16", device="cuda", seed=1).model
+    prompts = prompts_for(m)
+    r_ref, s_ref = hf_reference(m, prompts)
+    f = captured_run(m, prompts, r_ref, forced=False)
+    s = f.state
+    print(f"{preset}: agreement {f.agreement:.3f}, max logit diff {f.max_logit_diff:.4f}, replays {f.stats['buckets']}")
+    assert f.agreement == 1.0
     # dropless both: every real token routed K times per layer (per-expert counts may differ at router near-ties)
     assert s["routed_assignments"] == s_ref["routed_assignments"] and s["tokens"] == s_ref["tokens"]
     assert s["dropped_assignments"] == 0
-    cap.unwrap()
-    detach(m)
 
 
 # -- the ops the GLM-4-MoE, OLMoE and GPT-OSS fused steps add, at their real shapes ------------------------------
@@ -295,27 +284,14 @@ def test_family_fused_full_capture_matches_hf_eager(preset):
     """Whole models, bf16, random biases / correction biases / sinks: the fused step captured per bucket (3 real
     rows in bucket 4), teacher-forced against HF's modules eagerly; every real token routed K times per layer."""
     overrides = {"n_group": 4, "topk_group": 2, "use_qk_norm": True} if preset == "glm4_moe_tiny" else {}
-    b = build_model(preset, dtype="bf16", device="cuda", seed=1, config_overrides=overrides)
-    m = b.model
+    m = build_model(preset, dtype="bf16", device="cuda", seed=1, config_overrides=overrides).model
     randomise_terms(m, 0)
-    prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
-    attach(m, make_dispatcher("dropless"), max_rows=8)
-    r_ref = DecodeEngine(m, 64, 8).generate(prompts, 16, keep_logits=True, timing=False)
-    s_ref = state_of(m).snapshot()
-    detach(m)
-    attach(m, make_dispatcher("fused"), max_rows=8)
-    eng = DecodeEngine(m, 64, 8)
-    cap = Capture(eng, "full", buckets=(1, 2, 4, 8), kernels="fused").apply()
-    assert cap.stats()["kernel_backend"] == "triton" and cap.captured
-    r = eng.generate(prompts, 16, keep_logits=True, timing=False, force_tokens=r_ref.tokens)
-    s = state_of(m).snapshot()
-    agree = float((r.tokens == r_ref.tokens).float().mean())
-    diff = max(float((a - c).abs().max()) for a, c in zip(r.logits, r_ref.logits))
-    print(f"{preset}: forced agreement {agree:.3f}, max logit diff {diff:.4f}")
-    assert agree >= 0.95
-    assert s["routed_assignments"] == s_ref["routed_assignments"] and s["tokens"] == s_ref["tokens"]
-    cap.unwrap()
-    detach(m)
+    prompts = prompts_for(m)
+    r_ref, s_ref = hf_reference(m, prompts)
+    f = captured_run(m, prompts, r_ref)
+    print(f"{preset}: forced agreement {f.agreement:.3f}, max logit diff {f.max_logit_diff:.4f}")
+    assert f.agreement >= 0.95
+    assert f.state["routed_assignments"] == s_ref["routed_assignments"] and f.state["tokens"] == s_ref["tokens"]
 
 
 def _n_compiled() -> int | None:

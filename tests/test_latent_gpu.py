@@ -12,13 +12,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytestmark = pytest.mark.gpu
 
-from moecg.capture import Capture  # noqa: E402
-from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
-from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import GemvTiles, MlaTiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 from model_terms import randomise_terms  # noqa: E402 (tests/)
+from forced_runs import captured_run, hf_reference, prompts_for  # noqa: E402 (tests/)
 
 BF = torch.bfloat16
 
@@ -79,39 +77,21 @@ def test_latent_fused_full_capture_matches_hf(preset):
     teacher-forced against HF's modules eagerly; every real token routed K times per layer."""
     m = build_model(preset, dtype="bf16", device="cuda", seed=1, config_overrides={"attention_bias": True}).model
     randomise_terms(m, 0)
-    prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
-    attach(m, make_dispatcher("dropless"), max_rows=8)
-    r_ref = DecodeEngine(m, 64, 8).generate(prompts, 16, keep_logits=True, timing=False)
-    s_ref = state_of(m).snapshot()
-    detach(m)
+    prompts = prompts_for(m)
+    r_ref, s_ref = hf_reference(m, prompts)
     caps = []
     for strategy, disp in (("full", "fused"), ("capacity", "capacity")):
-        attach(m, make_dispatcher(disp), max_rows=8)
-        eng = DecodeEngine(m, 64, 8)
-        cap = Capture(eng, strategy, buckets=(1, 2, 4, 8), kernels="fused").apply()
-        assert cap.stats()["kernel_backend"] == "triton" and cap.captured
-        r = eng.generate(prompts, 16, keep_logits=True, timing=False, force_tokens=r_ref.tokens)
-        s = state_of(m).snapshot()
-        cap.unwrap()
-        detach(m)
-        agree = float((r.tokens == r_ref.tokens).float().mean())
-        diff = max(float((a - c).abs().max()) for a, c in zip(r.logits, r_ref.logits))
-        print(f"{preset} {strategy}: forced agreement {agree:.3f}, max logit diff {diff:.4f}")
-        assert s["tokens"] == s_ref["tokens"]
+        f = captured_run(m, prompts, r_ref, strategy, disp)
+        print(f"{preset} {strategy}: forced agreement {f.agreement:.3f}, max logit diff {f.max_logit_diff:.4f}")
+        assert f.state["tokens"] == s_ref["tokens"]
         if strategy == "full":
-            assert agree >= 0.95 and s["routed_assignments"] == s_ref["routed_assignments"]
+            assert f.agreement >= 0.95 and f.state["routed_assignments"] == s_ref["routed_assignments"]
         else:
-            caps.append((r, s))
+            caps.append((f.run, f.state))
     # capacity on HF's modules, captured the same way and teacher-forced alike: the group-limited router and the
     # Triton capacity kernel drop what the HF-module path drops (the first MoE layer sees the same inputs: exactly)
-    attach(m, make_dispatcher("capacity"), max_rows=8)
-    eng = DecodeEngine(m, 64, 8)
-    cap = Capture(eng, "capacity", buckets=(1, 2, 4, 8), kernels="hf").apply()
-    assert cap.captured
-    r_hf = eng.generate(prompts, 16, keep_logits=True, timing=False, force_tokens=r_ref.tokens)
-    s_hf = state_of(m).snapshot()
-    cap.unwrap()
-    detach(m)
+    hf = captured_run(m, prompts, r_ref, "capacity", "capacity", kernels="hf")
+    r_hf, s_hf = hf.run, hf.state
     (r, s), = caps
     agree = float((r.tokens == r_hf.tokens).float().mean())
     print(f"{preset} capacity fused vs HF modules: agreement {agree:.3f}, dropped {s['dropped_assignments']} vs "

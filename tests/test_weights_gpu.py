@@ -15,13 +15,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytestmark = pytest.mark.gpu
 
-from moecg.capture import Capture  # noqa: E402
-from moecg.dispatch import attach, detach, make_dispatcher, state_of  # noqa: E402
-from moecg.engine import DecodeEngine  # noqa: E402
 from moecg.kernels import ref, triton_ops as tri  # noqa: E402
 from moecg.kernels.tiles import CORE_GEMV, CORE_GEMV_FP8, CORE_MOE, GemvTiles, MoeTiles, moe_tiles  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 from moecg.models.adapter import ExpertSpec  # noqa: E402
+from forced_runs import captured_run, hf_reference, prompts_for  # noqa: E402 (tests/)
 from moecg.models.formats import Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
 
 BF = torch.bfloat16
@@ -195,23 +193,11 @@ def test_quantized_fused_full_capture_matches_hf_on_the_same_weights(preset, wei
     HF's modules on the same model (dequantizing experts and linears): the same greedy tokens nearly everywhere,
     every real token routed K times per layer."""
     m = build_model(preset, dtype="bf16", device="cuda", seed=1, weights=weights).model
-    prompts = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
-    attach(m, make_dispatcher("dropless"), max_rows=8)
-    r_ref = DecodeEngine(m, 64, 8).generate(prompts, 16, keep_logits=True, timing=False)
-    s_ref = state_of(m).snapshot()
-    detach(m)
+    prompts = prompts_for(m)
+    r_ref, s_ref = hf_reference(m, prompts)
     for disp in ("fused", "capacity"):
-        attach(m, make_dispatcher(disp), max_rows=8)
-        eng = DecodeEngine(m, 64, 8)
-        cap = Capture(eng, "full", buckets=(1, 2, 4, 8), kernels="fused").apply()
-        assert cap.stats()["kernel_backend"] == "triton" and cap.captured
-        r = eng.generate(prompts, 16, keep_logits=True, timing=False, force_tokens=r_ref.tokens)
-        s = state_of(m).snapshot()
-        agree = float((r.tokens == r_ref.tokens).float().mean())
-        diff = max(float((a - c).abs().max()) for a, c in zip(r.logits, r_ref.logits))
-        print(f"{preset} {weights} {disp}: forced agreement {agree:.3f}, max logit diff {diff:.4f}")
-        assert s["tokens"] == s_ref["tokens"]
+        f = captured_run(m, prompts, r_ref, dispatch=disp)
+        print(f"{preset} {weights} {disp}: forced agreement {f.agreement:.3f}, max logit diff {f.max_logit_diff:.4f}")
+        assert f.state["tokens"] == s_ref["tokens"]
         if disp == "fused":
-            assert agree >= 0.95 and s["routed_assignments"] == s_ref["routed_assignments"]
-        cap.unwrap()
-        detach(m)
+            assert f.agreement >= 0.95 and f.state["routed_assignments"] == s_ref["routed_assignments"]
