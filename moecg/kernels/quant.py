@@ -8,7 +8,7 @@ reference does (fp32 products rounded once to the compute dtype), so a kernel's 
   by experiments/bench_mx_tile.py); other dtypes: the register decode (mx_tile), then tl.dot.
 
 fp8_dynamic activations (A8, moecg.models.formats.act_quant, with block-FP8 weights; the input tile of a K step:
-a8_tile): the GEMM input comes quantized once, by the kernel that produced it (store_act_quant beside its output:
+a8_tile): the GEMM input comes quantized once, by the kernel that produced it (store_act_quant_tile beside its output:
 the norms, the attention, SiLU-mul) or on the tensor cores by quantize_rows (its kernel arguments: a8_inputs); on
 the tensor cores each K step of 128 columns is an FP8 MMA of the e4m3 values times both scales (fp8_dot); on the CUDA
 cores an input that came unquantized is quantized per row and 128 columns at each K step (act_q8, the reference's
