@@ -1,5 +1,6 @@
-"""One call of each batch-1 weight-streaming kernel of a Qwen3-30B-A3B layer, in bf16 and block-FP8, for Nsight
-Compute (hardware counters: achieved DRAM bandwidth, issue-slot use, warp stall reasons, occupancy).
+"""One call of each weight-streaming kernel of a Qwen3-30B-A3B layer (batch 1 unless --tokens), in bf16 and
+block-FP8 (with --activations fp8_dynamic: W8A8), for Nsight Compute (hardware counters: achieved DRAM bandwidth,
+issue-slot use, warp stall reasons, occupancy).
 
   ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \
       --section Occupancy --section LaunchStats --section SchedulerStats python3 experiments/ncu_kernels.py
@@ -15,27 +16,31 @@ first call it sits in L2): how much faster a projection whose weight an L2 prefe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
 
 from moecg.kernels import triton_ops as tri
-from moecg.models.formats import quantize_stacked
+from moecg.models.formats import ACTIVATIONS, quantize_stacked
 
 BF = torch.bfloat16
 
 
-def ops(D=2048, I=768, E=128, K=8, qkv=5120, o_in=4096):
+def ops(D=2048, I=768, E=128, K=8, qkv=5120, o_in=4096, T=1, activations="full"):
+    """The ops by name; T rows (routed to K distinct experts each); activations: the block-FP8 GEMMs' inputs (full
+    or fp8_dynamic, quantized as the step's producers would: by quantize_rows on 16-row tiles, in the kernel on
+    the CUDA-core ones)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rnd = lambda *s: (torch.randn(*s, device="cuda", generator=g) * 0.02).to(BF)  # noqa: E731
-    x = rnd(1, D) * 50
-    xo = rnd(1, o_in) * 50
+    x = rnd(T, D) * 50
+    xo = rnd(T, o_in) * 50
     wq, wo = rnd(qkv, D), rnd(D, o_in)
     gu, dn = rnd(E, 2 * I, D), rnd(E, D, I)
-    idx = torch.randperm(E, device="cuda", generator=g)[:K].int()[None]
-    w = torch.rand(1, K, device="cuda", generator=g).to(BF)
-    q = {n: quantize_stacked(t.float(), p, BF) for n, t, p in (("wq", wq, 1), ("wo", wo, 1), ("gu", gu, 2),
-                                                               ("dn", dn, 1))}
+    idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
+    w = torch.rand(T, K, device="cuda", generator=g).to(BF)
+    q = {n: dataclasses.replace(quantize_stacked(t.float(), p, BF), act=activations)
+         for n, t, p in (("wq", wq, 1), ("wo", wo, 1), ("gu", gu, 2), ("dn", dn, 1))}
     return {
         "qkv_bf16": lambda: tri.linear(x, wq),
         "qkv_fp8": lambda: tri.linear(x, q["wq"]),
@@ -71,13 +76,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=None)
     ap.add_argument("--time", action="store_true", help="time the GEMVs from HBM and from L2 instead")
+    ap.add_argument("--tokens", type=int, default=1, help="rows of every op (the step's batch)")
+    ap.add_argument("--activations", default="full", choices=ACTIVATIONS,
+                    help="the block-FP8 ops' inputs (model.activations)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("ncu_kernels.py launches CUDA kernels: run it on a GPU")
     if args.time:
         time_l2()
         return 0
-    table = ops()
+    table = ops(T=args.tokens, activations=args.activations)
     names = args.ops or list(table)
     for n in names:
         table[n]()
