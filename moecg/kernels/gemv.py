@@ -78,8 +78,7 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_s
                A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs):
     """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format).
     A8: x's e4m3 values and scales as quant.a8_tile gives them (from q_ptr / qs_ptr where the input came quantized)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    x, xq, xs = a8_tile(x_ptr, t, tm, s_xt, k0, k, k < k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
+    x, xq, xs = a8_tile(x_ptr, t, tm, s_xt, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
     if A8 and DOT:
         acc = fp8_dot(xq, xs, w, acc, ws_ptr + (n // QROWS) * s_sn, k0, s_sk, nm, t.shape[0])
     elif ROW_SCALE:

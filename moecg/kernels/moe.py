@@ -99,7 +99,7 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         for k0 in range(0, D, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < D
-            x, xq, xs = a8_tile(x_ptr, tok, rmask, s_xt, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
+            x, xq, xs = a8_tile(x_ptr, tok, rmask, s_xt, k0, D, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
             if MX:
                 we = w_ptr + e.to(tl.int64) * s_we
                 acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
@@ -147,9 +147,7 @@ def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, 
                A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs):
     """acc + h rows `rows` at columns k0 .. of I times the weights of those columns: w (HAS_W, loaded by the caller)
     or loaded here after h (mxfp4: mx_dot loads its own). A8: as up_tile's."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    km = kk < k_hi
-    h, hq, hs = a8_tile(h_ptr, rows, rmask, s_hs, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
+    h, hq, hs = a8_tile(h_ptr, rows, rmask, s_hs, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
     if MX:
         acc = mx_dot(h, acc, w_ptr + e.to(tl.int64) * s_we, n, s_wn, s_wk, ws_ptr + e.to(tl.int64) * s_se, s_sj,
                      s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)

@@ -171,13 +171,15 @@ def fp8_dot(q, s, w, acc, srow_ptr, k0, s_sk, nmask, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def a8_tile(x_ptr, rows, rmask, s_xt, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8: tl.constexpr, DOT: tl.constexpr,
+def a8_tile(x_ptr, rows, rmask, s_xt, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8: tl.constexpr, DOT: tl.constexpr,
             BLOCK_K: tl.constexpr):
-    """A GEMM's input tile, rows `rows` (masked by rmask) at columns kk (masked by km, from k0) -> (x, xq, xs): x for
+    """A GEMM's input tile, rows `rows` (masked by rmask) at columns k0 .. (none from k_hi on) -> (x, xq, xs): x for
     the CUDA-core products (mac, fp8_row_mac), xq / xs the e4m3 values and [rows, 1] scales for fp8_dot. A8 with the
     input quantized already (q_ptr, qs_ptr: quantize_rows' or its producer's output, a8_inputs): loaded, and on the CUDA
     cores x their values times their scales; A8 on the CUDA cores without them: x quantized here (act_q8), the same
     values; no A8: x as stored (xq, xs unused)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    km = kk < k_hi
     if A8 and DOT:
         xq = tl.load(q_ptr + rows[:, None] * s_qt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         xs = tl.load(qs_ptr + rows * s_qs + k0 // 128, mask=rmask, other=1.0)[:, None]
@@ -187,9 +189,8 @@ def a8_tile(x_ptr, rows, rmask, s_xt, k0, kk, km, q_ptr, qs_ptr, s_qt, s_qs, A8:
         xq = tl.load(q_ptr + rows[:, None] * s_qt + kk[None, :], mask=rmask[:, None] & km[None, :],
                      other=0.0).to(tl.float32)
         j = k0 // 128 + tl.arange(0, NS)
-        jm = tl.max(tl.reshape(km.to(tl.int32), (NS, 128)), axis=1) > 0  # scale columns inside K (a step past it)
-        xs = tl.load(qs_ptr + rows[:, None] * s_qs + j[None, :], mask=rmask[:, None] & jm[None, :],
-                     other=1.0)  # [rows, NS]
+        xs = tl.load(qs_ptr + rows[:, None] * s_qs + j[None, :], mask=rmask[:, None] & (j * 128 < k_hi)[None, :],
+                     other=1.0)  # [rows, NS]: no scale column past the row (a K step may end past it)
         x = act_values(xq, xs, rows.shape[0], BLOCK_K)
     else:
         x = tl.load(x_ptr + rows[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
@@ -248,8 +249,8 @@ def store_act_quant_tile(v, t, col0, rm, q_ptr, qs_ptr, s_qt, s_qs, W: tl.conste
     q, s = act_q8(v.to(tl.float32), v.shape[0], W)
     c = col0[:, None] + tl.arange(0, W)[None, :]
     j = col0[:, None] // 128 + tl.arange(0, W // 128)[None, :]
-    cm = rm[:, None] & (c >= 0)
-    jm = rm[:, None] & (j >= 0)
+    cm = rm[:, None]  # (broadcast over the segment's columns by the stores)
+    jm = rm[:, None]
     if D is not None:
         cm = cm & (c < D)
         jm = jm & (j * 128 < D)
