@@ -5,7 +5,7 @@ whole models' fused step on the Triton ops against the same step on the referenc
 import pytest
 
 from moecg.kernels.quant import act_k
-from interp_runner import run_interp  # tests/
+from interp_runner import run_marked  # tests/
 
 
 def test_a8_k_steps_cover_whole_scale_blocks():
@@ -16,5 +16,6 @@ def test_a8_k_steps_cover_whole_scale_blocks():
 
 
 @pytest.mark.slow
-def test_kernels_on_quantized_inputs_under_interpreter():
-    run_interp("triton_interp_act.py", timeout=900)
+@pytest.mark.interp("triton_interp_act.py", timeout=900)
+def test_kernels_on_quantized_inputs_under_interpreter(request):
+    run_marked(request)

@@ -21,7 +21,7 @@ from moecg.engine import DecodeEngine
 from moecg.kernels import ref
 from moecg.kernels.tiles import DEFAULT, MOE_TILE_RULES, MoeTiles, TileRule, moe_tiles
 from moecg.models import build_model
-from interp_runner import HAS_TRITON, run_interp  # tests/
+from interp_runner import HAS_TRITON, run_marked  # tests/
 
 COUNTS = ("routed", "dropped", "tokens", "lost_all", "capacity", "calls")
 
@@ -184,29 +184,28 @@ def test_tile_table():
     assert fp8_gemv_tiles(17, 5120, 2048, a8=True) == fp8_gemv_tiles(8, 5120, 2048) == FP8_GEMV_DEFAULT
 
 
-def _interp(section, timeout=600):
-    run_interp("capacity_interp_check.py", section, timeout=timeout)
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_kernels_match_reference_under_interpreter():
+@pytest.mark.interp("capacity_interp_check.py", "ops")
+def test_kernels_match_reference_under_interpreter(request):
     """Kept sets, counters and outputs equal ref.capacity_experts: ties, pad rows, min_capacity, several token
     chunks and slot blocks, GPT-OSS's layout, a factor that drops nothing; the in-kernel C for every count 0..100."""
-    _interp("ops")
+    run_marked(request)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_kernels_match_padded_path_on_every_family_under_interpreter():
+@pytest.mark.interp("capacity_interp_check.py", "dispatch")
+def test_kernels_match_padded_path_on_every_family_under_interpreter(request):
     """Each fused family's experts (Mixtral, Qwen2/3-MoE, GLM-4-MoE, OLMoE, GPT-OSS), its router's routing, 6 real
     of 8 rows: kernels=triton == kernels=torch for three factors and both policies; a huge factor == fused."""
-    _interp("dispatch")
+    run_marked(request)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_fused_step_on_every_family_under_interpreter():
+@pytest.mark.interp("capacity_interp_check.py", "families")
+def test_fused_step_on_every_family_under_interpreter(request):
     """Each family's fused decode step, 3 rows run as 4 (a bucket's padding), teacher-forced: the kernels give the
     padded path's tokens, logits (1e-4) and counters; it drops; a huge factor equals dispatch=fused."""
-    _interp("families")
+    run_marked(request)
 
 
 # argument types of the kernels compiled for sm_90 below (pointers not named here: *bf16; integers: i32)

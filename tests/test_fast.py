@@ -14,7 +14,7 @@ from moecg.engine import DecodeEngine
 from moecg.fast import FastDecode, FastPathError, check_supported
 from moecg.kernels import get_ops, ref
 from moecg.models import build_model
-from interp_runner import needs_triton, run_interp  # tests/
+from interp_runner import needs_triton, run_marked  # tests/
 
 PRESETS = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny"]
 
@@ -182,7 +182,8 @@ def test_reference_ops_round_like_hf_rmsnorm_and_router():
 
 
 @needs_triton
-def test_triton_kernels_under_interpreter():
+@pytest.mark.interp("triton_interp_check.py")
+def test_triton_kernels_under_interpreter(request):
     """The Triton kernels themselves, on CPU through TRITON_INTERPRET=1 (fp32): every op against its reference,
     the MoE kernel with pad rows and counters, and a whole model's fused decode against the torch backend."""
-    run_interp("triton_interp_check.py")
+    run_marked(request)

@@ -19,7 +19,7 @@ from moecg.fast import FastDecode
 from moecg.kernels import ref
 from moecg.models import build_model
 from model_terms import randomise_terms  # tests/
-from interp_runner import needs_triton, run_interp  # tests/
+from interp_runner import needs_triton, run_marked  # tests/
 
 S, NEW, LEN = 7, 10, 48
 LOGIT_TOL = 1e-4  # fp32: different GEMM shapes and accumulation orders than HF's modules
@@ -276,7 +276,8 @@ def test_dropped_terms_show():
 
 
 @needs_triton
-def test_triton_kernels_under_interpreter():
+@pytest.mark.interp("triton_interp_families.py")
+def test_triton_kernels_under_interpreter(request):
     """The new Triton kernels (rope variants, sinks, both routers, biased interleaved experts, cast-last norm) on CPU
     through TRITON_INTERPRET=1 against their references, and each family's fused decode, Triton ops == torch ops."""
-    run_interp("triton_interp_families.py")
+    run_marked(request)

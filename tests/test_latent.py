@@ -19,7 +19,7 @@ from moecg.engine import DecodeEngine
 from moecg.fast import FastDecode
 from moecg.models import build_model
 from model_terms import randomise_terms  # tests/
-from interp_runner import needs_triton, run_interp  # tests/
+from interp_runner import needs_triton, run_marked  # tests/
 
 S, NEW, LEN = 7, 8, 48
 LOGIT_TOL = 1e-4  # fp32: the absorbed products and different GEMM shapes than HF's modules
@@ -155,8 +155,9 @@ def test_fused_weights_are_views_but_one_copy():
 
 
 @needs_triton
-def test_triton_latent_kernels_under_interpreter():
-    run_interp("triton_interp_mla.py")
+@pytest.mark.interp("triton_interp_mla.py")
+def test_triton_latent_kernels_under_interpreter(request):
+    run_marked(request)
 
 
 def test_mla_tile_and_split_rules():

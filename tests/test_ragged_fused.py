@@ -22,7 +22,7 @@ from moecg.models import build_model
 from moecg.ragged import RaggedEngine
 
 from test_ragged import L, NEW, PROMPT_LENS, _run
-from interp_runner import run_interp  # tests/
+from interp_runner import run_marked  # tests/
 
 FUSED_PRESETS = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny", "glm4_moe_tiny", "olmoe_tiny", "gpt_oss_tiny",
                  "deepseek_v3_tiny", "deepseek_v2_tiny", "mixtral_tiny_swa", "qwen2_moe_tiny_swa", "qwen3_moe_tiny_swa"]
@@ -95,8 +95,9 @@ def test_ragged_ops_reference_row_by_row():
             torch.testing.assert_close(o1[t:t + 1], o2, atol=1e-6, rtol=0)
 
 
-def test_triton_ragged_kernels_under_interpreter():
-    run_interp("triton_interp_ragged.py")
+@pytest.mark.interp("triton_interp_ragged.py")
+def test_triton_ragged_kernels_under_interpreter(request):
+    run_marked(request)
 
 
 def test_ragged_cost_benchmark_smoke(tmp_path):

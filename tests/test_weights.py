@@ -22,7 +22,7 @@ from moecg.models.formats import (BLOCK, FP4_VALUES, FP8, FP8_MAX, BlockFp8, Mxf
                                   fuse_rows, mx_dequantize, mx_quantize, quantize)
 from moecg.models.weights import Fp8Linear, dequantize_model, stored, weight_bytes
 from moecg.plan import PlanError, resolve_plan
-from interp_runner import run_interp  # tests/
+from interp_runner import run_marked  # tests/
 
 CONF_DIR = Path(moecg.__file__).parent / "conf"
 FAMILIES = ["mixtral_tiny", "qwen2_moe_tiny", "qwen3_moe_tiny_dense", "deepseek_v3_tiny", "deepseek_v2_tiny",
@@ -323,8 +323,9 @@ def test_results_record_the_format_and_its_bytes():
     assert full["weights"] == "full" and r["weight_bytes"] < full["weight_bytes"]
 
 
-def test_triton_kernels_on_quantized_weights_under_interpreter():
-    run_interp("triton_interp_weights.py", timeout=900)
+@pytest.mark.interp("triton_interp_weights.py", timeout=900)
+def test_triton_kernels_on_quantized_weights_under_interpreter(request):
+    run_marked(request)
 
 
 def test_quantized_runs_on_every_strategy_and_kernel_path(preset="deepseek_v3_tiny"):
