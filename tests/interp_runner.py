@@ -28,9 +28,11 @@ class _Job:
         self.done = threading.Event()
         self.proc = self.result = None
 
-    def run(self) -> None:
+    def run(self, threads: int | None = None) -> None:
+        """threads: the script's torch threads (OMP_NUM_THREADS); None: torch's default."""
         env = {**os.environ, "TRITON_INTERPRET": "1",
-               "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)}
+               "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
+               **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         try:
             self.proc = subprocess.Popen([sys.executable, str(HERE / self.script), *self.args], env=env,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE))
@@ -60,7 +62,8 @@ def prestart(specs) -> None:
         return
     jobs = [_JOBS.setdefault(_key(s, a), _Job(s, tuple(a), t)) for s, a, t in specs if _key(s, a) not in _JOBS]
     if jobs:
-        threading.Thread(target=lambda: [j.run() for j in jobs], daemon=True, name="interp").start()
+        # one torch thread: the suite's own process keeps its threads on the cores beside it
+        threading.Thread(target=lambda: [j.run(threads=1) for j in jobs], daemon=True, name="interp").start()
 
 
 def stop() -> None:
