@@ -166,7 +166,7 @@ def linear(x, w, bias=None, tiles=None, xq=None):
                                                                                 bias.stride(0) != 1):
         return F.linear(x, w, bias)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    if t.split_k > 1:
+    if _splits(x, w, bias, t):
         _split_k(x, w, bias, t, xq, y)
         return y
     rows = min(t.rows, GEMV_MAX_T)
@@ -238,7 +238,8 @@ def _split_k(x, w, bias, t, xq, out):
     q, extra = (w.q, {"ws_ptr": w.scale, "s_sn": w.scale.stride(0), "s_sk": w.scale.stride(1), "QROWS": w.rows,
                       "A8": _a8(w), **a8_inputs(x, _a8(w), rows, xq)}) if fp8 else (w, {})
     grid = (triton.cdiv(N, t.block_n), S, triton.cdiv(T, rows))
-    if out is not None:  # one counter per (column block, row block), reset by the tile's last split
+    if out is not None:  # a counter per (column block, row block) of this weight (none shared with a projection that
+        # may run beside it on the shared expert's stream), reset by the tile's last split
         assert out.stride(0) == y.stride(1)
         extra["out_ptr"] = out
         extra["sem_ptr"] = split_sems(x.device, grid[0] * grid[2], f"gemv{q.data_ptr()}")
