@@ -67,7 +67,7 @@ from profile_step import kernel_table  # same directory: the per-kernel profile
 
 SWITCHES = ("slot", "overlap", "router", "gemv", "gemv1")
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.MoeTiles) if f.name != "down_split")
-GEMV_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.GemvTiles))
+GEMV_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.GemvTiles) if f.name != "split_k")
 
 
 def parse_variant(name: str) -> dict:

@@ -12,7 +12,7 @@ reference (max abs error printed).
 GPT-OSS-120B's experts: --hidden 2880 --inter 2880 --experts 128 --top-k 4.
 --activations fp8_dynamic: the block-FP8 weights take quantized inputs (W8A8: each kernel's A8 path, K steps of 128
 on the tensor cores, x quantized once outside the timing as the step's producers do), over a grid of its own (column
-tiles, stages, warps, split-K for the GEMVs: added in the GEMV's last split, and as partial rows); --ops picks rows.
+tiles, stages, warps, split-K for the GEMVs); --ops picks rows.
 """
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ def main(argv=None):
                 for st in args.stages or (3, 4)]
         if args.activations != "full":  # the A8 tensor-core K step is 128 whatever block_k says: columns, stages, split-K
             grid = [GemvTiles(bn, 128, wp, st, split_k=sk) for bn, wp in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))
-                    for st in args.stages or (3, 4, 6) for sk in ((1, 2, 4) if bn <= 64 else (1,))]
+                    for st in args.stages or (3, 4, 6) for sk in ((1, 2, 4) if name == "o" and bn <= 64 else (1,))]
         # one row a program, its products on the CUDA cores (batch 1): an accumulator of block_n x block_k fp32
         fma = [GemvTiles(bn, bk, wp, st, rows=1) for bn, bk in ((8, 256), (16, 256), (8, 512), (16, 512), (32, 128),
                                                                 (4, 1024)) for wp in (4, 8) for st in (3, 4)]
@@ -176,15 +176,13 @@ def main(argv=None):
             # quantize their rows themselves
             xq = quantize_rows(x) if args.activations != "full" and T > 2 else None
             for t in (grid if T > 2 or args.activations == "full" else []) + (fma if T <= 2 else []):
-                # split-K: linear adds the partials in its last split per tile; the partial rows alone (the consumer,
-                # add_rmsnorm / norm_route, adds them) are the row "name partials", summed here for the error only
-                for op, label in ([(tri.linear, name), (tri.linear_partials, name + " partials")] if t.split_k > 1
-                                  else [(tri.linear, name)]):
-                    fns = [lambda wi=wi, t=t, op=op: op(x, wi, tiles=t, xq=xq) for wi in qs]
-                    us = time_us(fns)
-                    out = (lambda y: y.sum(1).to(BF) if y.dim() == 3 else y)(fns[0]()) if us == us else None
-                    err = float((out - ref.linear(x, qs[0])).abs().max()) if us == us else None
-                    row(label, T, "fp8_block", t, us, nbytes(qs[0]), err)
+                # split-K: the fp32 partial rows (the consumer, add_rmsnorm / norm_route, adds them), summed here
+                op = tri.linear_partials if t.split_k > 1 else tri.linear
+                fns = [lambda wi=wi, t=t, op=op: op(x, wi, tiles=t, xq=xq) for wi in qs]
+                us = time_us(fns)
+                out = (lambda y: y.sum(1).to(BF) if t.split_k > 1 else y)(fns[0]()) if us == us else None
+                err = float((out - ref.linear(x, qs[0])).abs().max()) if us == us else None
+                row(name, T, "fp8_block", t, us, nbytes(qs[0]), err)
     lines = [f"Quantized GEMM kernels, {env_fields()['device_name']}: D {D}, I {I}, E {E}, K {K}; qkv {args.qkv} x {D}, "
              f"o {D} x {args.o_in}; {C} weight sets cycled per graph; activations {args.activations}", "",
              "| op | T | weights | tiles | us | GB/s | max abs err vs reference |", "|---|---|---|---|---|---|---|"]

@@ -15,15 +15,6 @@ def close(a, b, tol=1e-5):
     assert err <= tol, err
 
 
-def in_order(parts, dtype=None):
-    """linear_partials' rows [T, S, N] added in split order (fp32), rounded once to dtype: what the split GEMV's last
-    program and the partials' consumers compute."""
-    tot = parts[:, 0]
-    for j in range(1, parts.shape[1]):
-        tot = tot + parts[:, j]
-    return tot if dtype is None else tot.to(dtype)
-
-
 def same_quant(got, x):
     """got, a kernel's (e4m3 values, fp32 scales) of x, is act_quant(x) bit for bit (the values compared as bytes: -0
     and +0 differ)."""

@@ -20,7 +20,6 @@ from moecg.kernels.tiles import CORE_GEMV, CORE_GEMV_FP8, CORE_MOE, GemvTiles, M
 from moecg.models import build_model  # noqa: E402
 from moecg.models.adapter import ExpertSpec  # noqa: E402
 from forced_runs import captured_run, hf_reference, prompts_for  # noqa: E402 (tests/)
-from interp_common import in_order  # noqa: E402
 from moecg.models.formats import Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
 
 BF = torch.bfloat16
@@ -59,8 +58,6 @@ def test_split_k_partial_rows_sum_to_the_projection(T, N, K, fp8):
         assert parts.dtype == torch.float32 and parts.shape[0] == T and parts.shape[2] == N, (parts.shape, tiles)
         assert 1 < parts.shape[1] <= tiles.split_k, (parts.shape, tiles)
         _close(parts.sum(1), whole)
-        for _ in range(2):  # linear adds them in the GEMV (its last split per tile, in order); again: counters reset
-            assert torch.equal(tri.linear(x, w, tiles=tiles), in_order(parts, BF)), tiles
         if fp8:  # the same splits on the dequantized weight: the same operands
             _close(parts, tri.linear_partials(x, w.dense(), tiles=tiles), 1e-2)
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
-from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
+from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
 from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, act_quant_out, check_block_k, dequant_tile, fp8_dot,
                                  fp8_row_mac, mac, mac_init, mac_sum, store_act_quant, w_tile)
 from moecg.models.formats import BlockFp8, fp8_input
@@ -95,7 +95,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
                  s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0,
                  SPLIT: tl.constexpr = 1, kper=0, s_ys=0, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
-                 q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, out_ptr=None, sem_ptr=None):
+                 q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT > 1:  # program_id(1) is the K split (one head): columns [sp * kper, (sp + 1) * kper) of K
         sp = tl.program_id(1)
@@ -133,19 +133,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
         if SPLIT > 1:
             b = tl.where(sp == 0, b, 0.0)
         acc += b[None, :]
-    om = tm[:, None] & nm[None, :]
-    tl.store(y_ptr + t[:, None] * s_yt + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=om)
-    if out_ptr is not None:  # split, added here: the tile's last split sums the partials in split order, rounds once
-        tl.debug_barrier()
-        tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-        done = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT - 1:  # the other partials are visible (acquire)
-            part = y_ptr - sp * s_ys + t[:, None] * s_yt + n[None, :]
-            tot = tl.load(part, mask=om, other=0.0, cache_modifier=".cg")
-            for j in tl.static_range(1, SPLIT):
-                tot += tl.load(part + j * s_ys, mask=om, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + t[:, None] * s_yt + n[None, :], tot.to(out_ptr.dtype.element_ty), mask=om)
-            tl.store(sem_ptr + tile, 0)
+    tl.store(y_ptr + t[:, None] * s_yt + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=tm[:, None] & nm[None, :])
 
 
 GEMV_MAX_T = 16  # rows one program's tl.dot block holds
@@ -166,9 +154,6 @@ def linear(x, w, bias=None, tiles=None, xq=None):
                                                                                 bias.stride(0) != 1):
         return F.linear(x, w, bias)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    if _splits(x, w, bias, t):
-        _split_k(x, w, bias, t, xq, y)
-        return y
     rows = min(t.rows, GEMV_MAX_T)
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, rows)), x, w, bias if bias is not None else y,
             y, T, N, K, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=rows,
@@ -211,25 +196,13 @@ def linear_partials(x, w, bias=None, tiles=None, xq=None):
     """As ref.linear_partials: [T, S, N], the projection's S split-K partial rows (fp32) or, unsplit, linear's
     output as one partial row (S = 1). tiles: GemvTiles, or None: the table's (fp8_gemv_tiles for a block-FP8
     weight, gemv_tiles otherwise); split only where they say split_k > 1 (and T <= GEMV_MAX_T for a dense w)."""
-    t = tiles or table_tiles(x, w)
-    if not _splits(x, w, bias, t):
-        return linear(x, w, bias, tiles, xq)[:, None]
-    return _split_k(x, w, bias, t, xq, None).transpose(0, 1)  # [T, S, N]
-
-
-def _splits(x, w, bias, t) -> bool:
-    """Whether the GEMV of x @ w^T on tiles t runs split over K (t.split_k > 1, on the Triton GEMV's layouts)."""
-    fp8 = isinstance(w, BlockFp8)
-    return not (t is None or t.split_k <= 1 or (not fp8 and (x.shape[0] > GEMV_MAX_T or w.stride(1) != 1))
-                or x.stride(1) != 1 or (bias is not None and bias.stride(0) != 1))
-
-
-def _split_k(x, w, bias, t, xq, out):
-    """The split-K GEMV: -> its partials [S, T, N] (fp32); with out ([T, N]) the tile's last split also adds them in
-    split order into out (rounded once), as linear's output, so no consumer has to."""
     fp8 = isinstance(w, BlockFp8)
     T, K = x.shape
     N = w.q.shape[0] if fp8 else w.shape[0]
+    t = tiles or table_tiles(x, w)
+    if t is None or t.split_k <= 1 or (not fp8 and (T > GEMV_MAX_T or w.stride(1) != 1)) or x.stride(1) != 1 \
+            or (bias is not None and bias.stride(0) != 1):
+        return linear(x, w, bias, tiles, xq)[:, None]
     rows = min(t.rows, GEMV_MAX_T)
     bk = _fp8_k(t.block_k, w, rows) if fp8 else t.block_k
     kper = triton.cdiv(triton.cdiv(K, t.split_k), bk) * bk  # a whole number of K steps (and of 128-column scales)
@@ -237,18 +210,12 @@ def _split_k(x, w, bias, t, xq, out):
     y = torch.empty(S, T, N, dtype=torch.float32, device=x.device)
     q, extra = (w.q, {"ws_ptr": w.scale, "s_sn": w.scale.stride(0), "s_sk": w.scale.stride(1), "QROWS": w.rows,
                       "A8": _a8(w), **a8_inputs(x, _a8(w), rows, xq)}) if fp8 else (w, {})
-    grid = (triton.cdiv(N, t.block_n), S, triton.cdiv(T, rows))
-    if out is not None:  # a counter per (column block, row block) of this weight (none shared with a projection that
-        # may run beside it on the shared expert's stream), reset by the tile's last split
-        assert out.stride(0) == y.stride(1)
-        extra["out_ptr"] = out
-        extra["sem_ptr"] = split_sems(x.device, grid[0] * grid[2], f"gemv{q.data_ptr()}")
-    launch(_gemv_kernel, grid, x, q,
+    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), S, triton.cdiv(T, rows)), x, q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), q.stride(0), y.stride(1),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
            num_stages=t.stages, SPLIT=S, kper=kper, s_ys=y.stride(0), **extra,
            **pdl_args(x.device, t.pdl_trigger, preload=True))
-    return y
+    return y.transpose(0, 1)  # [T, S, N]
 
 
 def _a8(w: BlockFp8) -> int:
@@ -267,9 +234,6 @@ def _linear_fp8(x, w, bias, tiles, xq=None):
     t = tiles or table_tiles(x, w)
     assert x.stride(1) == 1 and w.q.stride(1) == 1 and (bias is None or bias.stride(0) == 1)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    if _splits(x, w, bias, t):
-        _split_k(x, w, bias, t, xq, y)
-        return y
     s = w.scale
     rows = min(t.rows, GEMV_MAX_T)
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, rows)), x, w.q,
