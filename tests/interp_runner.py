@@ -4,9 +4,9 @@ with it on PYTHONPATH (the scripts import interp_common and model_terms); passin
 its marker. The assertion shows the ends of its output.
 
 A test names its script on its `interp` marker (`@pytest.mark.interp(script, *args, timeout=...)`) and calls
-`run_marked(request)`. The session (tests/conftest.py) starts every collected test's script at once, one after another
-in a background thread, and moves those tests to the end: the scripts run on a second core while the rest of the suite
-runs, and each test then waits for its script's result."""
+`run_marked(request)`. When collection ends the session (tests/conftest.py) starts the collected tests' scripts, one
+after another in a background thread, and moves those tests to the end: the scripts run on a second core while the
+rest of the suite runs, and each test then waits for its script's result."""
 import os
 import subprocess
 import sys
