@@ -8,6 +8,7 @@ kernels). The kernels themselves run under Triton's interpreter in a subprocess 
 against the reference, against the padded path on every family's experts, and through each family's fused step.
 """
 import os
+import re
 import subprocess
 
 import pytest
@@ -217,9 +218,11 @@ SM90_TYPES = dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", keep_ptr="*i8"
                   sg_ptr="*bf16")
 
 
-def compile_sm90(fn, consts: dict, stages: int = 4, **ptr_types):
+def compile_sm90(fn, consts: dict, stages: int = 4, div16=(), **ptr_types):
     """fn compiled for sm_90 with Triton's bundled ptxas (constexprs `consts`, the other arguments typed by
-    SM90_TYPES and ptr_types); skips the test where this Triton build has no ptxas."""
+    SM90_TYPES and ptr_types); skips the test where this Triton build has no ptxas. As the JIT specialises a launch:
+    the pointers 16-byte aligned (torch's allocations are), and the integer arguments named in div16 multiples of 16
+    (without them the loads' alignment is unknown and Triton pipelines none of the weight tiles a launch pipelines)."""
     import inspect
 
     import triton
@@ -232,9 +235,11 @@ def compile_sm90(fn, consts: dict, stages: int = 4, **ptr_types):
     # unless ptr_types types it, as launches leave it
     consts = {**{n: None for n, p in params.items() if p.default is None and n not in ptr_types}, **consts}
     sig = {n: "constexpr" if n in consts else tys.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(params)
+             if sig[n] != "constexpr" and (sig[n].startswith("*") or n in div16)}
     try:
-        return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "num_stages": stages})
+        return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
     except (FileNotFoundError, RuntimeError) as e:  # no ptxas with this Triton build
         if "ptxas" in str(e):
             pytest.skip(f"no ptxas: {e}")
@@ -349,12 +354,18 @@ def test_kernels_compile_for_hopper():
               **f8)
     from moecg.kernels.quant import act_k
     from moecg.kernels.tiles import FP8_A8_GEMV_RULES
-    for rule in FP8_A8_GEMV_RULES:  # the A8 GEMV's own tiles (six stages): within an H100's 227 KB of shared memory
+    for rule in FP8_A8_GEMV_RULES:  # the A8 GEMV's own tiles (six stages): within an H100's 227 KB of shared memory,
+        # with the weight and input tiles pipelined as a launch at Qwen3-30B-A3B's shapes specialises them (the strides
+        # and sizes multiples of 16; the K strides 1)
         t = rule.tiles
         k = compile_sm90(gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=16, BLOCK_N=t.block_n,
                                                  BLOCK_K=act_k(t.block_k, 16), USE_PDL=2, QROWS=128, A8=1, SPLIT=1,
-                                                 PRELOAD=1), t.stages, **f8)
+                                                 PRELOAD=1, s_wk=1, s_sk=1), t.stages,
+                         div16=("N", "K", "s_xt", "s_wn", "s_yt", "s_sn", "s_qt", "s_xh", "s_wh", "s_yh", "kper", "s_ys"),
+                         **f8)
         assert 0 < k.metadata.shared <= 227 * 1024, (t, k.metadata.shared)
+        bufs = re.findall(rf"memdesc<(\d+)x{t.block_n}x128xf8E4M3FN", k.asm["ttgir"])  # the weight tile's ring
+        assert bufs and min(map(int, bufs)) >= 2, (t, bufs)
     build(cap._cap_up_kernel, dict(K=8, KP=8, HAS_VALID=False, COUNT=True, JM=1, JU=768, HAS_BIAS=False, ACT=0,
                                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64, QROWS=128, A8=1), stages=3, **f8)
     build(cap._cap_down_kernel, dict(K=8, KP=8, RENORM=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
