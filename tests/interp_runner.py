@@ -4,8 +4,8 @@ with it on PYTHONPATH (the scripts import interp_common and model_terms); passin
 its marker. The assertion shows the ends of its output.
 
 A test names its script on its `interp` marker (`@pytest.mark.interp(script, *args, timeout=...)`) and calls
-`run_marked(request)`. When collection ends the session (tests/conftest.py) starts the collected tests' scripts, one
-after another in a background thread, and moves those tests to the end: the scripts run on a second core while the
+`run_marked(request)`. When collection ends, tests/conftest.py starts the collected tests' scripts, one after
+another in a background thread, and moves those tests to the end: the scripts run on a second core while the
 rest of the suite runs, and each test then waits for its script's result."""
 import os
 import subprocess
@@ -18,6 +18,7 @@ import pytest
 HERE = Path(__file__).parent
 HAS_TRITON = subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode == 0
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+TIMEOUT = 600  # s, a script's run unless its marker says otherwise
 
 
 class _Job:
@@ -60,20 +61,24 @@ def prestart(specs) -> None:
     """Start the scripts of `specs` ((script, args, timeout) each, in order) one after another in a daemon thread."""
     if not HAS_TRITON:
         return
-    jobs = [_JOBS.setdefault(_key(s, a), _Job(s, tuple(a), t)) for s, a, t in specs if _key(s, a) not in _JOBS]
+    jobs = []
+    for script, args, timeout in specs:
+        if _key(script, args) not in _JOBS:  # once per script and arguments
+            _JOBS[_key(script, args)] = _Job(script, tuple(args), timeout)
+            jobs.append(_JOBS[_key(script, args)])
     if jobs:
         # one torch thread: the suite's own process keeps its threads on the cores beside it
         threading.Thread(target=lambda: [j.run(threads=1) for j in jobs], daemon=True, name="interp").start()
 
 
 def stop() -> None:
-    """Kill a script still running when the session ends (an interrupted or -x run)."""
+    """Kill a script still running when the test run ends (an interrupted or -x run)."""
     for j in _JOBS.values():
         if j.proc is not None and j.proc.poll() is None:
             j.proc.kill()
 
 
-def run_interp(script: str, *args: str, timeout: int = 600, marker: str = "ALL OK") -> str:
+def run_interp(script: str, *args: str, timeout: int = TIMEOUT, marker: str = "ALL OK") -> str:
     """Run tests/<script> with `args` under the interpreter (or wait for its run started by prestart); returns its
     stdout."""
     job = _JOBS.get(_key(script, args))
@@ -89,7 +94,7 @@ def run_interp(script: str, *args: str, timeout: int = 600, marker: str = "ALL O
 def marked(item) -> tuple | None:
     """(script, args, timeout) of a test item's interp marker, or None."""
     m = item.get_closest_marker("interp")
-    return None if m is None else (m.args[0], tuple(m.args[1:]), m.kwargs.get("timeout", 600))
+    return None if m is None else (m.args[0], tuple(m.args[1:]), m.kwargs.get("timeout", TIMEOUT))
 
 
 def run_marked(request) -> str:
