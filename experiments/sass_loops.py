@@ -1,0 +1,93 @@
+"""What the compiler makes of the W8A8 kernels' K loops, on a CPU: each kernel compiled for sm_90 with Triton's bundled
+ptxas (as a launch specialises it: 16-byte aligned pointers, strides and sizes multiples of 16) and disassembled with
+its nvdisasm; per kernel its shared memory and its K loop's SASS instruction mix.
+
+  python experiments/sass_loops.py --out experiments/results/gemv_split/sass_loops.md
+
+Rows: the A8 GEMV at the tiles its table (moecg.kernels.tiles.fp8_gemv_tiles) picks for Qwen3-30B-A3B's qkv and o
+projections at bs 8, and the dropless MoE up / down kernels at their A8 tensor-core tiles (block_m 16).
+What the mix tells: QGMMA is wgmma on e4m3 operands as stored; HMMA with F2FP is mma.sync on operands converted to fp16
+first; LDGSTS are the pipelined tile loads (cp.async); LDG are plain loads inside the loop, which the step's arithmetic
+waits on. No GPU: the counts are static, one per instruction in the loop body, not issue counts or time.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from test_capacity_kernel import compile_sm90  # noqa: E402  (the sm_90 compile the CPU tests check)
+
+from moecg.kernels import gemv, moe  # noqa: E402
+from moecg.kernels.quant import act_k  # noqa: E402
+from moecg.kernels.tiles import fp8_gemv_tiles  # noqa: E402
+
+F8 = dict(w_ptr="*fp8e4nv", ws_ptr="*fp32", q_ptr="*fp8e4nv", qs_ptr="*fp32")
+DIV16 = ("N", "K", "D", "I", "s_xt", "s_wn", "s_yt", "s_sn", "s_qt", "s_xh", "s_wh", "s_yh", "kper", "s_ys", "s_we",
+         "s_wj", "s_se", "s_sj", "s_hs")
+KEEP = ("QGMMA", "HMMA", "F2FP", "LDGSTS", "LDG", "LDS", "LDSM", "FMUL", "FFMA", "BAR", "WARPSYNC")
+
+
+def loop_mix(cubin: bytes) -> tuple[int, collections.Counter]:
+    """The SASS of cubin's K loop (the longest branch back to a label above it with an MMA between; else the longest):
+    (instructions, opcode counts)."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout.splitlines()
+    label = {m.group(1): i for i, line in enumerate(sass) if (m := re.match(r"^\s*(\.L_x_\d+):", line))}
+    loops = [(label[m.group(1)], i) for i, line in enumerate(sass)
+             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)) and label.get(m.group(1), len(sass)) < i]
+    mma = [p for p in loops if any(re.search(r"\b[QH](G)?MMA\b", line) for line in sass[p[0]:p[1] + 1])]
+    lo, hi = max(mma or loops, key=lambda p: p[1] - p[0])  # the K loop: the longest loop with an MMA in it
+    body = [line.split("*/", 1)[1] for line in sass[lo:hi + 1] if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+    ops = collections.Counter(re.sub(r"^\s*(@!?U?P\w+\s+)?", "", b).split()[0].split(".")[0] for b in body)
+    return len(body), ops
+
+
+def kernels():
+    """(name, Triton kernel, constexprs, stages) of each row."""
+    for name, N, K in (("qkv", 5120, 2048), ("o", 2048, 4096)):  # Qwen3-30B-A3B's projections at bs 8
+        t = fp8_gemv_tiles(8, N, K, a8=True)
+        yield (f"A8 GEMV, {name} ({N} x {K}): {t.block_n} columns x 16 rows", gemv._gemv_kernel,
+               dict(HAS_BIAS=False, BLOCK_T=16, BLOCK_N=t.block_n, BLOCK_K=act_k(t.block_k, 16), USE_PDL=2, QROWS=128,
+                    A8=1, SPLIT=1, PRELOAD=1, s_wk=1, s_sk=1), t.stages)
+    moe_a8 = dict(K=8, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=2, QROWS=128, A8=1,
+                  MX=0, s_wk=1, s_sk=1)
+    yield ("MoE up 64 columns x 16 rows", moe._moe_up_kernel,
+           dict(moe_a8, HAS_VALID=False, COUNT=False, JM=1, JU=768, ACT=0, PAIRED=0), 4)
+    yield "MoE down 64 columns x 16 rows", moe._moe_down_kernel, dict(moe_a8, HAS_VALID=False, SPLIT=1, PRELOAD=1), 4
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lines = [f"sm_90 SASS of the W8A8 kernels' K loops, compiled on a CPU with Triton {triton.__version__}'s ptxas "
+             "(`experiments/sass_loops.py`); counts of instructions in the loop body, not time", "",
+             f"| kernel | stages | shared KB | loop instructions | {' | '.join(KEEP)} |",
+             "|---" * (4 + len(KEEP)) + "|"]
+    for name, fn, consts, stages in kernels():
+        k = compile_sm90(fn, consts, stages, div16=DIV16, **F8)
+        n, ops = loop_mix(k.asm["cubin"])
+        lines.append(f"| {name} | {stages} | {k.metadata.shared / 1024:.0f} | {n} | "
+                     + " | ".join(str(ops.get(o, 0)) for o in KEEP) + " |")
+        print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
