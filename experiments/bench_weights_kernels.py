@@ -179,9 +179,11 @@ def main(argv=None):
                 # split-K: the fp32 partial rows (the consumer, add_rmsnorm / norm_route, adds them), summed here
                 op = tri.linear_partials if t.split_k > 1 else tri.linear
                 fns = [lambda wi=wi, t=t, op=op: op(x, wi, tiles=t, xq=xq) for wi in qs]
-                us = time_us(fns)
-                out = (lambda y: y.sum(1).to(BF) if t.split_k > 1 else y)(fns[0]()) if us == us else None
-                err = float((out - ref.linear(x, qs[0])).abs().max()) if us == us else None
+                us, err = time_us(fns), None
+                if us == us:
+                    out = fns[0]()
+                    out = out.sum(1).to(BF) if t.split_k > 1 else out
+                    err = float((out - ref.linear(x, qs[0])).abs().max())
                 row(name, T, "fp8_block", t, us, nbytes(qs[0]), err)
     lines = [f"Quantized GEMM kernels, {env_fields()['device_name']}: D {D}, I {I}, E {E}, K {K}; qkv {args.qkv} x {D}, "
              f"o {D} x {args.o_in}; {C} weight sets cycled per graph; activations {args.activations}", "",
