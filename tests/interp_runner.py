@@ -63,9 +63,10 @@ def prestart(specs) -> None:
         return
     jobs = []
     for script, args, timeout in specs:
-        if _key(script, args) not in _JOBS:  # once per script and arguments
-            _JOBS[_key(script, args)] = _Job(script, tuple(args), timeout)
-            jobs.append(_JOBS[_key(script, args)])
+        key = _key(script, args)
+        if key not in _JOBS:  # once per script and arguments
+            _JOBS[key] = _Job(script, tuple(args), timeout)
+            jobs.append(_JOBS[key])
     if jobs:
         # one torch thread: the suite's own process keeps its threads on the cores beside it
         threading.Thread(target=lambda: [j.run(threads=1) for j in jobs], daemon=True, name="interp").start()
