@@ -23,15 +23,12 @@ import tempfile
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_capacity_kernel import compile_sm90  # noqa: E402  (the sm_90 compile the CPU tests check)
+from test_capacity_kernel import SM90_DIV16, SM90_F8, compile_sm90  # noqa: E402  (the sm_90 compile the tests check)
 
 from moecg.kernels import gemv, moe  # noqa: E402
 from moecg.kernels.quant import act_k  # noqa: E402
 from moecg.kernels.tiles import fp8_gemv_tiles  # noqa: E402
 
-F8 = dict(w_ptr="*fp8e4nv", ws_ptr="*fp32", q_ptr="*fp8e4nv", qs_ptr="*fp32")
-DIV16 = ("N", "K", "D", "I", "s_xt", "s_wn", "s_yt", "s_sn", "s_qt", "s_xh", "s_wh", "s_yh", "kper", "s_ys", "s_we",
-         "s_wj", "s_se", "s_sj", "s_hs")
 KEEP = ("QGMMA", "HMMA", "F2FP", "LDGSTS", "LDG", "LDS", "LDSM", "FMUL", "FFMA", "BAR", "WARPSYNC")
 
 
@@ -76,7 +73,7 @@ def main() -> int:
              f"| kernel | stages | shared KB | loop instructions | {' | '.join(KEEP)} |",
              "|---" * (4 + len(KEEP)) + "|"]
     for name, fn, consts, stages in kernels():
-        k = compile_sm90(fn, consts, stages, div16=DIV16, **F8)
+        k = compile_sm90(fn, consts, stages, div16=SM90_DIV16, **SM90_F8)
         n, ops = loop_mix(k.asm["cubin"])
         lines.append(f"| {name} | {stages} | {k.metadata.shared / 1024:.0f} | {n} | "
                      + " | ".join(str(ops.get(o, 0)) for o in KEEP) + " |")

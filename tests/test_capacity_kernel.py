@@ -216,6 +216,12 @@ SM90_TYPES = dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", keep_ptr="*i8"
                   part_ptr="*fp32", sem_ptr="*i32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", pos_ptr="*i64",
                   scaling="fp32", lg_ptr="*fp32", b_ptr="*fp32", tw_ptr="*bf16", eps="fp32", res_ptr="*bf16",
                   sg_ptr="*bf16")
+# the block-FP8 kernels' weights (w_ptr: e4m3 values, ws_ptr: fp32 scales) and A8 inputs (q_ptr, qs_ptr)
+SM90_F8 = dict(w_ptr="*fp8e4nv", ws_ptr="*fp32", q_ptr="*fp8e4nv", qs_ptr="*fp32")
+# compile_sm90's div16 for the GEMV and MoE kernels as launched at Qwen3-30B-A3B's shapes: the integer arguments that
+# are multiples of 16 there (names a kernel does not take are ignored)
+SM90_DIV16 = ("N", "K", "D", "I", "s_xt", "s_wn", "s_yt", "s_sn", "s_qt", "s_xh", "s_wh", "s_yh", "kper", "s_ys",
+              "s_we", "s_wj", "s_se", "s_sj", "s_hs")
 
 
 def compile_sm90(fn, consts: dict, stages: int = 4, div16=(), **ptr_types):
@@ -342,16 +348,15 @@ def test_kernels_compile_for_hopper():
     build(routers._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=False, CAST_LAST=False, BLOCK_D=2048, BLOCK_E=8,
                                            BLOCK_EP=128, USE_PDL=2, KK=4), a_ptr="*fp32")
     # fp8_dynamic activations (A8): FP8 MMAs (wgmma, the weight rows as M) on 16 rows, fp32 products on one row
-    f8 = dict(w_ptr="*fp8e4nv", ws_ptr="*fp32", q_ptr="*fp8e4nv", qs_ptr="*fp32")
     for bm, bn, bk in ((16, 64, 128), (1, 32, 1024)):
         build(moe._moe_up_kernel, dict(K=8, HAS_VALID=False, COUNT=False, JM=1, JU=768, HAS_BIAS=False, ACT=0,
                                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_S=64, USE_PDL=2, QROWS=128, A8=1),
-              stages=3, **f8)
+              stages=3, **SM90_F8)
         build(moe._moe_down_kernel, dict(K=8, HAS_VALID=False, HAS_BIAS=False, SPLIT=1 if bm == 16 else 4, BLOCK_M=bm,
                                          BLOCK_N=bn // 2, BLOCK_K=128 if bm == 16 else 256, BLOCK_S=64, USE_PDL=2,
-                                         QROWS=128, A8=1), **f8)
+                                         QROWS=128, A8=1), **SM90_F8)
         build(gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=bm, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=2, QROWS=128, A8=1),
-              **f8)
+              **SM90_F8)
     from moecg.kernels.quant import act_k
     from moecg.kernels.tiles import FP8_A8_GEMV_RULES
     for rule in FP8_A8_GEMV_RULES:  # the A8 GEMV's own tiles (six stages): within an H100's 227 KB of shared memory,
@@ -361,15 +366,15 @@ def test_kernels_compile_for_hopper():
         k = compile_sm90(gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=16, BLOCK_N=t.block_n,
                                                  BLOCK_K=act_k(t.block_k, 16), USE_PDL=2, QROWS=128, A8=1, SPLIT=1,
                                                  PRELOAD=1, s_wk=1, s_sk=1), t.stages,
-                         div16=("N", "K", "s_xt", "s_wn", "s_yt", "s_sn", "s_qt", "s_xh", "s_wh", "s_yh", "kper", "s_ys"),
-                         **f8)
+                         div16=SM90_DIV16, **SM90_F8)
         assert 0 < k.metadata.shared <= 227 * 1024, (t, k.metadata.shared)
         bufs = re.findall(rf"memdesc<(\d+)x{t.block_n}x128xf8E4M3FN", k.asm["ttgir"])  # the weight tile's ring
         assert bufs and min(map(int, bufs)) >= 2, (t, bufs)
     build(cap._cap_up_kernel, dict(K=8, KP=8, HAS_VALID=False, COUNT=True, JM=1, JU=768, HAS_BIAS=False, ACT=0,
-                                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64, QROWS=128, A8=1), stages=3, **f8)
+                                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64, QROWS=128, A8=1), stages=3,
+          **SM90_F8)
     build(cap._cap_down_kernel, dict(K=8, KP=8, RENORM=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
-                                     QROWS=128, A8=1), **f8)
+                                     QROWS=128, A8=1), **SM90_F8)
 
 
 @pytest.mark.slow
