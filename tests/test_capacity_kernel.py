@@ -240,6 +240,10 @@ def compile_sm90(fn, consts: dict, stages: int = 4, div16=(), **ptr_types):
     # an optional pointer (default None: a producer's quantized output, an A8 kernel's quantized input) stays None
     # unless ptr_types types it, as launches leave it
     consts = {**{n: None for n, p in params.items() if p.default is None and n not in ptr_types}, **consts}
+    # a constexpr left out takes its default, as a launch that leaves it out does (not a runtime i32 argument: its
+    # branches would both be compiled, and branches whose values differ in shape would not compile at all)
+    consts = {**{n: p.default for n, p in params.items() if "constexpr" in str(p.annotation)
+                 and p.default is not inspect.Parameter.empty}, **consts}
     sig = {n: "constexpr" if n in consts else tys.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(params)
              if sig[n] != "constexpr" and (sig[n].startswith("*") or n in div16)}
