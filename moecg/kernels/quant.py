@@ -166,8 +166,25 @@ def fp8_dot(q, s, w, acc, srow_ptr, k0, s_sk, nmask, BLOCK_M: tl.constexpr):
     128]^T (act_q8's e4m3 values)) on an FP8 MMA with the weight rows as its M (64+ rows take wgmma), times each weight
     row's block scale (srow_ptr [BLOCK_N], column k0 / 128) and each activation row's scale s [BLOCK_M, 1]."""
     sw = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask, other=0.0)  # [BLOCK_N]
+    return fp8_mma(q, s, w, sw, acc, BLOCK_M)
+
+
+@triton.jit
+def fp8_mma(q, s, w, sw, acc, BLOCK_M: tl.constexpr):
+    """fp8_dot with the weight rows' scales sw [BLOCK_N] given (fp8_scales)."""
     d = tl.dot(w, tl.trans(q.to(w.dtype)))  # [BLOCK_N, BLOCK_M]
     return acc + d * sw[:, None] * tl.reshape(s, (BLOCK_M,))[None, :]
+
+
+@triton.jit
+def fp8_scales(qs_ptr, rows, rmask, s_qs, srow_ptr, nmask, s_sk, k0, k_hi):
+    """An FP8 MMA step's two scales, columns k0 .. k0 + 127: each input row's [rows, 1] (quantize_rows' layout, s_qs a
+    row's stride) and each weight row's [BLOCK_N] (srow_ptr: its scale row, s_sk per 128 columns); a step from k_hi on
+    loads none (1 and 0). fp8_dot loads its weight scale in its own step, where the MMA's scaling waits for it; a loop
+    that loads the next step's scales here during this step's MMA (the GEMV) keeps those loads off its critical path."""
+    s = tl.load(qs_ptr + rows * s_qs + k0 // 128, mask=rmask & (tl.full(rmask.shape, k0, tl.int32) < k_hi), other=1.0)[:, None]
+    sw = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask & (tl.full(nmask.shape, k0, tl.int32) < k_hi), other=0.0)
+    return s, sw
 
 
 @triton.jit
