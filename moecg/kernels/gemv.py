@@ -18,7 +18,7 @@ import triton.language as tl
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
 from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, act_quant_out, check_block_k, dequant_tile, fp8_mma,
-                                 fp8_row_mac, fp8_scales, mac, mac_init, mac_sum, store_act_quant, w_tile)
+                                 fp8_row_mac, fp8_scales_ahead, mac, mac_init, mac_sum, store_act_quant, w_tile)
 from moecg.models.formats import BlockFp8, fp8_input
 
 
@@ -64,7 +64,7 @@ def silu_mul(gu, inter: int, quant: bool = False):
 # A block-FP8 weight (QROWS > 0: e4m3 values, fp32 scales ws [N / QROWS, K / 128], moecg.models.formats) is
 # dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot;
 # program_id(2) then takes BLOCK_T rows each, so any T runs it. A8 (fp8_dynamic activations): x's e4m3 values and
-# scales (moecg.kernels.quant.a8_tile), then an FP8 MMA (fp8_dot) or fp32 products of its values.
+# scales (moecg.kernels.quant.a8_tile), then an FP8 MMA (fp8_mma) or fp32 products of its values.
 # Split-K (linear_partials, GemvTiles.split_k = S > 1): program_id(1) takes one of S column ranges of K (a whole
 # number of K steps each) and stores its fp32 partial row; the consumer (add_rmsnorm, norm_route) adds the S
 # partials in order and rounds once, so the projection's output is rounded once as in linear, from the same fp32
@@ -78,7 +78,7 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_s
                A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs, xs8, sw8):
     """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format).
     A8: x's e4m3 values and scales as quant.a8_tile gives them (from q_ptr / qs_ptr where the input came quantized);
-    on the tensor cores the step's scales xs8 / sw8 as _a8_scales loaded them, a step ahead."""
+    on the tensor cores the step's scales xs8 / sw8, loaded a step ahead (quant.fp8_scales_ahead)."""
     x, xq, xs = a8_tile(x_ptr, t, tm, s_xt, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
     if A8 and DOT:
         acc = fp8_mma(xq, xs8, w, sw8, acc, t.shape[0])
@@ -89,19 +89,6 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_s
             w = dequant_tile(w, ws_ptr + (n // QROWS) * s_sn, k0, K, s_sk, nm, x.dtype, BLOCK_N, BLOCK_K)
         acc = mac(x, w, acc, DOT)
     return acc
-
-
-@triton.jit
-def _a8_scales(qs_ptr, t, tm, s_qs, ws_ptr, n, nm, s_sn, s_sk, k0, k_hi, QROWS: tl.constexpr, PRE: tl.constexpr):
-    """The FP8 MMA step's scales at columns k0 (quant.fp8_scales), which the kernel loads a step ahead of their MMA
-    so that the loads' latency overlaps the MMA before (the scaling waited on both at every K step): PRE (A8 on the
-    tensor cores); else nothing (0.0s the step does not read)."""
-    if PRE:
-        xs, sw = fp8_scales(qs_ptr, t, tm, s_qs, ws_ptr + (n // QROWS) * s_sn, nm, s_sk, k0, k_hi)
-    else:
-        xs = 0.0
-        sw = 0.0
-    return xs, sw
 
 
 @triton.jit(do_not_specialize=["T", "kper"])
@@ -134,16 +121,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     DOT: tl.constexpr = BLOCK_T >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
     ROW_SCALE: tl.constexpr = (BLOCK_T == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # one row: x scaled (fp8_row_mac)
     acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
-    PRE: tl.constexpr = A8 and DOT
-    xs8, sw8 = _a8_scales(qs_ptr, t, tm, s_qs, ws_ptr, n, nm, s_sn, s_sk, k_lo, k_hi, QROWS, PRE)
-    xs9, sw9 = _a8_scales(qs_ptr, t, tm, s_qs, ws_ptr, n, nm, s_sn, s_sk, k_lo + BLOCK_K, k_hi, QROWS, PRE)
+    PRE: tl.constexpr = A8 and DOT  # each step's scales loaded a step ahead, beside the MMA before (fp8_scales_ahead)
+    srow = ws_ptr + (n // QROWS) * s_sn if PRE else ws_ptr
+    xs8, sw8 = fp8_scales_ahead(PRE, qs_ptr, t, tm, s_qs, srow, nm, s_sk, k_lo, k_hi)
+    xs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, t, tm, s_qs, srow, nm, s_sk, k_lo + BLOCK_K, k_hi)
     acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k_lo, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N, BLOCK_K,
                      DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs, xs8,
                      sw8)  # every split has columns (linear_partials): the first step always runs
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
         xs8, sw8 = xs9, sw9
-        xs9, sw9 = _a8_scales(qs_ptr, t, tm, s_qs, ws_ptr, n, nm, s_sn, s_sk, k0 + BLOCK_K, k_hi, QROWS, PRE)
+        xs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, t, tm, s_qs, srow, nm, s_sk, k0 + BLOCK_K, k_hi)
         acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
                          BLOCK_K, DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs, xs8, sw8)
     acc = mac_sum(acc, DOT, A8)

@@ -16,8 +16,8 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
-from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, check_block_k, check_mx_k, dequant_tile, fp8_dot,
-                                 fp8_row_mac, mac, mac_init, mac_sum, mx_dot, w_tile)
+from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, check_block_k, check_mx_k, dequant_tile, fp8_mma,
+                                 fp8_row_mac, fp8_scales_ahead, mac, mac_init, mac_sum, mx_dot, w_tile)
 from moecg.models.formats import BlockFp8, Mxfp4, fp8_input
 
 
@@ -63,7 +63,7 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
     dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot.
     A8 (block-FP8 weights, fp8_dynamic activations): x's e4m3 values and scales (quant.a8_tile: from q_ptr / qs_ptr
     where the input came quantized, by its producer or quant.quantize_rows, else quantized here), each K step an FP8
-    MMA (fp8_dot) on the tensor cores, or fp32 products of its values on the CUDA cores.
+    MMA (fp8_mma) on the tensor cores, or fp32 products of its values on the CUDA cores.
     MX: the weights are mxfp4, packed [E, 2I, D / 2] (s_wk: a byte's stride) with scales ws [E, 2I, D / 32]
     (moecg.kernels.quant.mx_dot).
     PAIRED (interleaved gate/up, JM 2 JU 1; bf16 / fp32 weights): the 2 x BLOCK_N columns g0 u0 g1 u1 .. as one
@@ -96,9 +96,16 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
         wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
         wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
+        # A8 on the tensor cores: each step's scales loaded a step ahead (quant.fp8_scales), the up rows' as the gate's
+        PRE: tl.constexpr = A8 and DOT
+        xs9, sg9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sb + (jg // QR) * s_sj, nm, s_sk, 0, D)
+        _, su9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sb + (ju // QR) * s_sj, nm, s_sk, 0, D)
         for k0 in range(0, D, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < D
+            xs8, sg8, su8 = xs9, sg9, su9
+            xs9, sg9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sb + (jg // QR) * s_sj, nm, s_sk, k0 + BLOCK_K, D)
+            _, su9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sb + (ju // QR) * s_sj, nm, s_sk, k0 + BLOCK_K, D)
             x, xq, xs = a8_tile(x_ptr, tok, rmask, s_xt, k0, D, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
             if MX:
                 we = w_ptr + e.to(tl.int64) * s_we
@@ -108,8 +115,8 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
                 g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
                 u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
                 if A8 and DOT:
-                    acc_g = fp8_dot(xq, xs, g, acc_g, sb + (jg // QROWS) * s_sj, k0, s_sk, nm, BLOCK_M)
-                    acc_u = fp8_dot(xq, xs, u, acc_u, sb + (ju // QROWS) * s_sj, k0, s_sk, nm, BLOCK_M)
+                    acc_g = fp8_mma(xq, xs8, g, sg8, acc_g, BLOCK_M)
+                    acc_u = fp8_mma(xq, xs8, u, su8, acc_u, BLOCK_M)
                 elif ROW_SCALE:  # one row: the scale on x (the tile's gate rows share a scale row, as its up rows)
                     j0 = nb * BLOCK_N * JM
                     acc_g = fp8_row_mac(x, g, acc_g, sb + (j0 // QROWS) * s_sj, k0, D, s_sk, BLOCK_K)
@@ -144,9 +151,10 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
 def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk,
                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr,
                ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, HAS_W: tl.constexpr,
-               A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs):
+               A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs, hs8, sw8):
     """acc + h rows `rows` at columns k0 .. of I times the weights of those columns: w (HAS_W, loaded by the caller)
-    or loaded here after h (mxfp4: mx_dot loads its own). A8: as up_tile's."""
+    or loaded here after h (mxfp4: mx_dot loads its own). A8: as up_tile's (on the tensor cores the step's scales
+    hs8 / sw8, loaded a step ahead by _down_acc)."""
     h, hq, hs = a8_tile(h_ptr, rows, rmask, s_hs, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
     if MX:
         acc = mx_dot(h, acc, w_ptr + e.to(tl.int64) * s_we, n, s_wn, s_wk, ws_ptr + e.to(tl.int64) * s_se, s_sj,
@@ -155,8 +163,7 @@ def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, 
         if not HAS_W:
             w = w_tile(w_ptr + e.to(tl.int64) * s_we, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
         if A8 and DOT:
-            acc = fp8_dot(hq, hs, w, acc, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, s_sk, nm,
-                          rows.shape[0])
+            acc = fp8_mma(hq, hs8, w, sw8, acc, rows.shape[0])
         elif ROW_SCALE:
             acc = fp8_row_mac(h, w, acc, ws_ptr + e.to(tl.int64) * s_se + (nb * BLOCK_N // QROWS) * s_sj, k0,
                               k_hi, s_sk, BLOCK_K)
@@ -182,16 +189,23 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     DOT: tl.constexpr = BLOCK_M >= 16  # as up_tile's
     ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # as up_tile's
     acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
+    PRE: tl.constexpr = A8 and DOT  # the scales a step ahead, as up_tile's
+    srow = ws_ptr + e.to(tl.int64) * s_se + (n // (QROWS + (QROWS == 0))) * s_sj
+    hs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, rows, rmask, s_qs, srow, nm, s_sk, k_lo, k_hi)
     k_first = k_lo
     if HAS_W0:  # the first step peeled (only here: the tl.dot tiles keep the plain loop, measured faster)
+        hs8, sw8 = hs9, sw9
+        hs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, rows, rmask, s_qs, srow, nm, s_sk, k_lo + BLOCK_K, k_hi)
         acc = _down_step(h_ptr, rows, rmask, w0, acc, e, nb, n, nm, w_ptr, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
                          BLOCK_K, BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, True, A8, q_ptr, qs_ptr,
-                         s_qt, s_qs)
+                         s_qt, s_qs, hs8, sw8)
         k_first = k_lo + BLOCK_K
     for k0 in range(k_first, k_hi, BLOCK_K):
+        hs8, sw8 = hs9, sw9
+        hs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, rows, rmask, s_qs, srow, nm, s_sk, k0 + BLOCK_K, k_hi)
         acc = _down_step(h_ptr, rows, rmask, nm, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk, BLOCK_K,
                          BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, False, A8, q_ptr, qs_ptr,
-                         s_qt, s_qs)
+                         s_qt, s_qs, hs8, sw8)
     acc = mac_sum(acc, DOT, A8)
     return acc, n, nm
 

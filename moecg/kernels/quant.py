@@ -10,7 +10,7 @@ reference does (fp32 products rounded once to the compute dtype), so a kernel's 
 fp8_dynamic activations (A8, moecg.models.formats.act_quant, with block-FP8 weights; the input tile of a K step:
 a8_tile): the GEMM input comes quantized once, by the kernel that produced it (store_act_quant_tile beside its output:
 the norms, the attention, SiLU-mul) or on the tensor cores by quantize_rows (its kernel arguments: a8_inputs); on
-the tensor cores each K step of 128 columns is an FP8 MMA of the e4m3 values times both scales (fp8_dot); on the CUDA
+the tensor cores each K step of 128 columns is an FP8 MMA of the e4m3 values times both scales (fp8_mma); on the CUDA
 cores an input that came unquantized is quantized per row and 128 columns at each K step (act_q8, the reference's
 arithmetic: IEEE quotients, round to nearest even e4m3), then fp32 products of the values times their scales
 (act_values), the weight side as without A8.
@@ -42,7 +42,7 @@ def w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K: tl.constexpr):
 @triton.jit
 def mac_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
              ROW: tl.constexpr = 0, A8: tl.constexpr = 0):
-    """The accumulator mac adds into: [BLOCK_M, BLOCK_N] fp32 for tl.dot ([BLOCK_N, BLOCK_M] for fp8_dot: A8, its
+    """The accumulator mac adds into: [BLOCK_M, BLOCK_N] fp32 for tl.dot ([BLOCK_N, BLOCK_M] for fp8_mma: A8, its
     MMA's own orientation); on the CUDA cores each column's products
     kept apart until mac_sum, so the loop is one FMA per weight: [BLOCK_M, BLOCK_N, BLOCK_K], or with ROW (one row,
     fp8_row_mac's products) [BLOCK_N, BLOCK_K], the weight tile's own shape, so its values stay in the registers they
@@ -74,7 +74,7 @@ def mac(x, w, acc, DOT: tl.constexpr):
 
 @triton.jit
 def mac_sum(acc, DOT: tl.constexpr, A8: tl.constexpr = 0):
-    """mac's accumulator -> [BLOCK_M, BLOCK_N] fp32 sums (the CUDA-core path adds its columns here; fp8_dot's is
+    """mac's accumulator -> [BLOCK_M, BLOCK_N] fp32 sums (the CUDA-core path adds its columns here; fp8_mma's is
     transposed once, here)."""
     if DOT and A8:
         out = tl.trans(acc)
@@ -161,17 +161,10 @@ def act_values(q, s, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def fp8_dot(q, s, w, acc, srow_ptr, k0, s_sk, nmask, BLOCK_M: tl.constexpr):
+def fp8_mma(q, s, w, sw, acc, BLOCK_M: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] (mac_init's with A8: transposed) + (w [BLOCK_N, 128] (e4m3 as stored) @ q [BLOCK_M,
     128]^T (act_q8's e4m3 values)) on an FP8 MMA with the weight rows as its M (64+ rows take wgmma), times each weight
-    row's block scale (srow_ptr [BLOCK_N], column k0 / 128) and each activation row's scale s [BLOCK_M, 1]."""
-    sw = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask, other=0.0)  # [BLOCK_N]
-    return fp8_mma(q, s, w, sw, acc, BLOCK_M)
-
-
-@triton.jit
-def fp8_mma(q, s, w, sw, acc, BLOCK_M: tl.constexpr):
-    """fp8_dot with the weight rows' scales sw [BLOCK_N] given (fp8_scales)."""
+    row's block scale sw [BLOCK_N] and each activation row's scale s [BLOCK_M, 1] (both fp8_scales')."""
     d = tl.dot(w, tl.trans(q.to(w.dtype)))  # [BLOCK_N, BLOCK_M]
     return acc + d * sw[:, None] * tl.reshape(s, (BLOCK_M,))[None, :]
 
@@ -180,10 +173,24 @@ def fp8_mma(q, s, w, sw, acc, BLOCK_M: tl.constexpr):
 def fp8_scales(qs_ptr, rows, rmask, s_qs, srow_ptr, nmask, s_sk, k0, k_hi):
     """An FP8 MMA step's two scales, columns k0 .. k0 + 127: each input row's [rows, 1] (quantize_rows' layout, s_qs a
     row's stride) and each weight row's [BLOCK_N] (srow_ptr: its scale row, s_sk per 128 columns); a step from k_hi on
-    loads none (1 and 0). fp8_dot loads its weight scale in its own step, where the MMA's scaling waits for it; a loop
-    that loads the next step's scales here during this step's MMA (the GEMV) keeps those loads off its critical path."""
-    s = tl.load(qs_ptr + rows * s_qs + k0 // 128, mask=rmask & (tl.full(rmask.shape, k0, tl.int32) < k_hi), other=1.0)[:, None]
-    sw = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask & (tl.full(nmask.shape, k0, tl.int32) < k_hi), other=0.0)
+    loads none (1 and 0). The A8 loops load the next step's here, beside this step's MMA (fp8_scales_ahead): loaded in
+    their own step, the scaling after the MMA waited on them, an L2 or HBM round trip on every step's critical path."""
+    live_r = tl.full(rmask.shape, k0, tl.int32) < k_hi
+    live_n = tl.full(nmask.shape, k0, tl.int32) < k_hi
+    s = tl.load(qs_ptr + rows * s_qs + k0 // 128, mask=rmask & live_r, other=1.0)[:, None]
+    sw = tl.load(srow_ptr + (k0 // 128) * s_sk, mask=nmask & live_n, other=0.0)
+    return s, sw
+
+
+@triton.jit
+def fp8_scales_ahead(PRE: tl.constexpr, qs_ptr, rows, rmask, s_qs, srow_ptr, nmask, s_sk, k0, k_hi):
+    """fp8_scales where PRE (A8 on the tensor cores: a loop that loads each step's scales a step ahead), else 0.0s
+    the loop does not read."""
+    if PRE:
+        s, sw = fp8_scales(qs_ptr, rows, rmask, s_qs, srow_ptr, nmask, s_sk, k0, k_hi)
+    else:
+        s = 0.0
+        sw = 0.0
     return s, sw
 
 
@@ -191,7 +198,7 @@ def fp8_scales(qs_ptr, rows, rmask, s_qs, srow_ptr, nmask, s_sk, k0, k_hi):
 def a8_tile(x_ptr, rows, rmask, s_xt, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8: tl.constexpr, DOT: tl.constexpr,
             BLOCK_K: tl.constexpr):
     """A GEMM's input tile, rows `rows` (masked by rmask) at columns k0 .. (none from k_hi on) -> (x, xq, xs): x for
-    the CUDA-core products (mac, fp8_row_mac), xq / xs the e4m3 values and [rows, 1] scales for fp8_dot. A8 with the
+    the CUDA-core products (mac, fp8_row_mac), xq / xs the e4m3 values and [rows, 1] scales for fp8_mma. A8 with the
     input quantized already (q_ptr, qs_ptr: quantize_rows' or its producer's output, a8_inputs): loaded, and on the CUDA
     cores x their values times their scales; A8 on the CUDA cores without them: x quantized here (act_q8), the same
     values; no A8: x as stored (xq, xs unused)."""
@@ -237,7 +244,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, T, K, s_xt, s_qt, s_st, BLOCK: tl
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (q [T, K] e4m3, s [T, ceil(K / 128)] fp32): moecg.models.formats.act_quant on the GPU, once per
-    GEMM input, so the tensor-core A8 tiles load e4m3 values and scales (fp8_dot) instead of each program quantizing
+    GEMM input, so the tensor-core A8 tiles load e4m3 values and scales (fp8_mma) instead of each program quantizing
     every row it reads again."""
     T, K = x.shape
     assert x.stride(1) == 1
@@ -340,7 +347,7 @@ def mx_tile(wrow_ptr, srow_ptr, k0, K, s_wk, s_sk, nmask, dt: tl.constexpr, BLOC
 
 
 def act_k(block_k: int, rows: int) -> int:
-    """An A8 GEMM's K step: 128 on the tensor cores (rows >= 16: fp8_dot scales each MMA's sum), else whole
+    """An A8 GEMM's K step: 128 on the tensor cores (rows >= 16: fp8_mma scales each MMA's sum), else whole
     128-column blocks (act_q8), at least one."""
     check_block_k(block_k)
     return 128 if rows >= 16 or block_k < 128 else block_k
