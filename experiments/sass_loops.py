@@ -5,10 +5,13 @@ its nvdisasm; per kernel its shared memory and its K loop's SASS instruction mix
   python experiments/sass_loops.py --out experiments/results/gemv_split/sass_loops.md
 
 Rows: the A8 GEMV at the tiles its table (moecg.kernels.tiles.fp8_gemv_tiles) picks for Qwen3-30B-A3B's qkv and o
-projections at bs 8, and the dropless MoE up / down kernels at their A8 tensor-core tiles (block_m 16).
+projections at bs 8, the dropless MoE up / down kernels at their A8 tensor-core tiles (block_m 16), and two probes of
+the A8 loop's core (_probe_kernel): each step's MMA result scaled at once or in the next iteration.
 What the mix tells: QGMMA is wgmma on e4m3 operands as stored; HMMA with F2FP is mma.sync on operands converted to fp16
 first; LDGSTS are the pipelined tile loads (cp.async); LDG are plain loads inside the loop, which the step's arithmetic
-waits on. No GPU: the counts are static, one per instruction in the loop body, not issue counts or time.
+waits on. `wgmma waits` lists the `pendings` of each wgmma wait in the kernel's TritonGPU IR: 0 is a wait for every
+MMA issued, so no MMA stays in flight past the step that issued it. No GPU: the counts are static, one per
+instruction in the loop body, not issue counts or time.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import sys
 import tempfile
 
 import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from test_capacity_kernel import SM90_DIV16, SM90_F8, compile_sm90  # noqa: E402  (the sm_90 compile the tests check)
@@ -50,6 +54,34 @@ def loop_mix(cubin: bytes) -> tuple[int, collections.Counter]:
     return len(body), ops
 
 
+@triton.jit
+def _probe_kernel(w_ptr, q_ptr, ws_ptr, y_ptr, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, LATE: tl.constexpr):
+    """A probe, not a moecg kernel: the A8 loop's core (an e4m3 [BLOCK_N, 128] x [BLOCK_M, 128]^T dot a K step, its
+    fp32 result times the rows' block scale, added up), the scaling of each step's result at once (LATE 0) or in the
+    next iteration (LATE 1: DeepGEMM's order, which would leave the MMA in flight across the step if the compiler
+    let it)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    dp = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    sp = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = tl.load(w_ptr + n[:, None] * K + k0 + kk[None, :])
+        q = tl.load(q_ptr + m[:, None] * K + k0 + kk[None, :])
+        s = tl.load(ws_ptr + n * (K // BLOCK_K) + k0 // BLOCK_K)
+        d = tl.dot(w, tl.trans(q))
+        if LATE:
+            acc = acc + dp * sp[:, None]
+            dp = d
+            sp = s
+        else:
+            acc = acc + d * s[:, None]
+    acc = acc + dp * sp[:, None]
+    tl.store(y_ptr + n[:, None] * BLOCK_M + m[None, :], acc)
+
+
 def kernels():
     """(name, Triton kernel, constexprs, stages) of each row."""
     for name, N, K in (("qkv", 5120, 2048), ("o", 2048, 4096)):  # Qwen3-30B-A3B's projections at bs 8
@@ -62,6 +94,9 @@ def kernels():
     yield ("MoE up 64 columns x 16 rows", moe._moe_up_kernel,
            dict(moe_a8, HAS_VALID=False, COUNT=False, JM=1, JU=768, ACT=0, PAIRED=0), 4)
     yield "MoE down 64 columns x 16 rows", moe._moe_down_kernel, dict(moe_a8, HAS_VALID=False, SPLIT=1, PRELOAD=1), 4
+    for late in (0, 1):  # is an MMA left in flight when its result is scaled one step later?
+        yield (f"probe: 64 x 16 e4m3 dot a step, scaled {'a step later' if late else 'at once'}", _probe_kernel,
+               dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, LATE=late), 6)
 
 
 def main() -> int:
@@ -70,13 +105,14 @@ def main() -> int:
     args = ap.parse_args()
     lines = [f"sm_90 SASS of the W8A8 kernels' K loops, compiled on a CPU with Triton {triton.__version__}'s ptxas "
              "(`experiments/sass_loops.py`); counts of instructions in the loop body, not time", "",
-             f"| kernel | stages | shared KB | loop instructions | {' | '.join(KEEP)} |",
-             "|---" * (4 + len(KEEP)) + "|"]
+             f"| kernel | stages | shared KB | loop instructions | {' | '.join(KEEP)} | wgmma waits |",
+             "|---" * (5 + len(KEEP)) + "|"]
     for name, fn, consts, stages in kernels():
         k = compile_sm90(fn, consts, stages, div16=SM90_DIV16, **SM90_F8)
         n, ops = loop_mix(k.asm["cubin"])
+        waits = re.findall(r"warp_group_dot_wait\b[^\n]*pendings = (\d+)", k.asm["ttgir"])
         lines.append(f"| {name} | {stages} | {k.metadata.shared / 1024:.0f} | {n} | "
-                     + " | ".join(str(ops.get(o, 0)) for o in KEEP) + " |")
+                     + " | ".join(str(ops.get(o, 0)) for o in KEEP) + f" | {', '.join(waits) or '-'} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:
