@@ -77,9 +77,9 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_s
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr,
                A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs, xs8, sw8):
     """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format).
-    A8: x's e4m3 values and scales as quant.a8_tile gives them (from q_ptr / qs_ptr where the input came quantized);
-    on the tensor cores the step's scales xs8 / sw8, loaded a step ahead (quant.fp8_scales_ahead)."""
-    x, xq, xs = a8_tile(x_ptr, t, tm, s_xt, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
+    A8: x's e4m3 values as quant.a8_tile gives them (from q_ptr / qs_ptr where the input came quantized); on the
+    tensor cores the step's scales xs8 / sw8, loaded a step ahead (quant.fp8_scales_ahead)."""
+    x, xq = a8_tile(x_ptr, t, tm, s_xt, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
     if A8 and DOT:
         acc = fp8_mma(xq, xs8, w, sw8, acc, t.shape[0])
     elif ROW_SCALE:

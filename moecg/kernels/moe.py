@@ -97,16 +97,19 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
         wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
         # A8 on the tensor cores: each step's scales loaded a step ahead (quant.fp8_scales), the up rows' as the gate's
+        # (the input rows' scales of the up call are the gate call's: the compiler loads them once)
         PRE: tl.constexpr = A8 and DOT
-        xs9, sg9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sb + (jg // QR) * s_sj, nm, s_sk, 0, D)
-        _, su9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sb + (ju // QR) * s_sj, nm, s_sk, 0, D)
+        sg_row = sb + (jg // QR) * s_sj  # the gate rows' block-scale rows, the up rows'
+        su_row = sb + (ju // QR) * s_sj
+        xs9, sg9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sg_row, nm, s_sk, 0, D)
+        _, su9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, su_row, nm, s_sk, 0, D)
         for k0 in range(0, D, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < D
             xs8, sg8, su8 = xs9, sg9, su9
-            xs9, sg9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sb + (jg // QR) * s_sj, nm, s_sk, k0 + BLOCK_K, D)
-            _, su9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sb + (ju // QR) * s_sj, nm, s_sk, k0 + BLOCK_K, D)
-            x, xq, xs = a8_tile(x_ptr, tok, rmask, s_xt, k0, D, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
+            xs9, sg9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sg_row, nm, s_sk, k0 + BLOCK_K, D)
+            _, su9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, su_row, nm, s_sk, k0 + BLOCK_K, D)
+            x, xq = a8_tile(x_ptr, tok, rmask, s_xt, k0, D, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
             if MX:
                 we = w_ptr + e.to(tl.int64) * s_we
                 acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
@@ -155,7 +158,7 @@ def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, 
     """acc + h rows `rows` at columns k0 .. of I times the weights of those columns: w (HAS_W, loaded by the caller)
     or loaded here after h (mxfp4: mx_dot loads its own). A8: as up_tile's (on the tensor cores the step's scales
     hs8 / sw8, loaded a step ahead by _down_acc)."""
-    h, hq, hs = a8_tile(h_ptr, rows, rmask, s_hs, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
+    h, hq = a8_tile(h_ptr, rows, rmask, s_hs, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
     if MX:
         acc = mx_dot(h, acc, w_ptr + e.to(tl.int64) * s_we, n, s_wn, s_wk, ws_ptr + e.to(tl.int64) * s_se, s_sj,
                      s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
@@ -190,7 +193,7 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # as up_tile's
     acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
     PRE: tl.constexpr = A8 and DOT  # the scales a step ahead, as up_tile's
-    srow = ws_ptr + e.to(tl.int64) * s_se + (n // (QROWS + (QROWS == 0))) * s_sj
+    srow = ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj if PRE else ws_ptr  # the rows' block-scale rows
     hs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, rows, rmask, s_qs, srow, nm, s_sk, k_lo, k_hi)
     k_first = k_lo
     if HAS_W0:  # the first step peeled (only here: the tl.dot tiles keep the plain loop, measured faster)

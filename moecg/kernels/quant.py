@@ -197,16 +197,15 @@ def fp8_scales_ahead(PRE: tl.constexpr, qs_ptr, rows, rmask, s_qs, srow_ptr, nma
 @triton.jit
 def a8_tile(x_ptr, rows, rmask, s_xt, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8: tl.constexpr, DOT: tl.constexpr,
             BLOCK_K: tl.constexpr):
-    """A GEMM's input tile, rows `rows` (masked by rmask) at columns k0 .. (none from k_hi on) -> (x, xq, xs): x for
-    the CUDA-core products (mac, fp8_row_mac), xq / xs the e4m3 values and [rows, 1] scales for fp8_mma. A8 with the
+    """A GEMM's input tile, rows `rows` (masked by rmask) at columns k0 .. (none from k_hi on) -> (x, xq): x for
+    the CUDA-core products (mac, fp8_row_mac), xq the e4m3 values for fp8_mma (its scales: fp8_scales). A8 with the
     input quantized already (q_ptr, qs_ptr: quantize_rows' or its producer's output, a8_inputs): loaded, and on the CUDA
     cores x their values times their scales; A8 on the CUDA cores without them: x quantized here (act_q8), the same
-    values; no A8: x as stored (xq, xs unused)."""
+    values; no A8: x as stored (xq unused)."""
     kk = k0 + tl.arange(0, BLOCK_K)
     km = kk < k_hi
     if A8 and DOT:
         xq = tl.load(q_ptr + rows[:, None] * s_qt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        xs = tl.load(qs_ptr + rows * s_qs + k0 // 128, mask=rmask, other=1.0)[:, None]
         x = xq
     elif A8 and q_ptr is not None:
         NS: tl.constexpr = BLOCK_K // 128
@@ -223,8 +222,7 @@ def a8_tile(x_ptr, rows, rmask, s_xt, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8: t
             x = act_values(xq, xs, rows.shape[0], BLOCK_K)
         else:
             xq = x
-            xs = x
-    return x, xq, xs
+    return x, xq
 
 
 ROWS_BLOCK = 512  # columns one quantize_rows program takes (4 scale blocks)
