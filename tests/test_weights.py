@@ -242,6 +242,13 @@ def test_mxfp4_checkpoint_round_trip_in_the_published_layout(preset, tmp_path):
     with torch.no_grad():
         assert torch.equal(a.model(ids).logits, full.model(ids).logits)
     tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for byte, what in ((255, r"scale byte 255 \(NaN in e8m0\)"), (241, r"scale byte 241 \(2\^114\)")):
+        bad = tensors[ex + "down_proj_scales"].clone()
+        bad[0, 3, 0] = byte  # beyond what the kernels' one-row product takes (formats.MX_SCALE_MAX)
+        save_file({**tensors, ex + "down_proj_scales": bad}, str(tmp_path / "model.safetensors"))
+        with pytest.raises(WeightFormatError, match=rf"down_proj_scales holds {what}: moecg's kernels take scale "
+                                                    r"bytes up to 240"):
+            build_model(pretrained_path=str(tmp_path), dtype="fp32", device="cpu")
     tensors[ex + "down_proj_scales"] = tensors[ex + "down_proj_scales"][:, :, :1].contiguous()
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(WeightFormatError, match=r"down_proj_scales is torch.uint8 \(.*\), the model expects"):
@@ -283,6 +290,19 @@ def test_formats_are_validated_before_the_build():
     assert resolve_plan(_cfg("model=qwen3_moe_tiny", "model.weights=fp8_block")).model.weights == "fp8_block"
     assert resolve_plan(_cfg("model=gpt_oss_tiny", "model.weights=mxfp4")).model.weights == "mxfp4"
     assert resolve_plan(_cfg("model=qwen3_moe_tiny")).model.weights == "full"
+
+
+def test_mxfp4_refuses_blocks_beyond_the_kernels_scales():
+    """A block whose scale byte would pass 240 (values of 6 x 2^113 and more) is refused when quantized; 240 itself
+    is quantized and read back exactly."""
+    w = torch.zeros(2, 64)
+    w[0, 0] = 6 * 2.0**113  # scale byte 240
+    q, s = mx_quantize(w)
+    assert int(s.max()) == 240 and torch.equal(mx_dequantize(q, s, torch.float32), w)
+    w[1, 40] = 6 * 2.0**114
+    with pytest.raises(WeightFormatError, match=r"model.weights=mxfp4: a 32-value block reaches 1.25e\+35, above the "
+                                                r"scale byte 240 the kernels take"):
+        mx_quantize(w)
 
 
 def test_mxfp4_needs_whole_scale_blocks(tmp_path):

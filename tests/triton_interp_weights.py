@@ -4,7 +4,8 @@ reference-dequantized weights (it dequantizes in registers as the reference does
 match the PyTorch dequantize-then-matmul reference within 1e-4: the GEMV (any T, bias, scale groups of 128 and of
 fewer rows), the dropless MoE kernels (expert and slot grids, split-K down, pad rows, counters) and the capacity
 kernels; the same MoE and capacity kernels on mxfp4 experts (K steps of one and of several 32-column scale groups,
-a ragged last one), the products of both on the CUDA cores (fewer than 16 rows a program) in every format, GPT-OSS's experts arithmetic on bf16 activations at several output tilings (the same bits) and
+a ragged last one), the products of both on the CUDA cores (fewer than 16 rows a program) in every format, GPT-OSS's experts arithmetic on bf16 activations at several output tilings (the same bits; one row a program
+on the CUDA cores within bf16 rounding) and
 GPT-OSS's transposed, biased, interleaved experts in mxfp4 through the whole fused step.
 Prints ALL OK when every check passes; any mismatch raises.
 Dims: T tokens, K top-k, E experts, D hidden, I expert intermediate, N/K a projection's.
@@ -182,6 +183,12 @@ for T in (1, 3):
     for tiles in (MoeTiles(down_n=32), MoeTiles(up_n=32, down_n=32), MoeTiles(up_n=128),
                   MoeTiles(up_k=256, down_k=256, stages=3)):
         assert torch.equal(tri.moe_experts(x, idx, w, gate_up16, down16, tiles=tiles, **kw), base), (T, tiles)
+    # one row a program on the CUDA cores (int32 words of 8 codes, each scale group's sum scaled once: the sums in
+    # another order), K steps of one and of eight scale groups, the down GEMM split over I
+    for tiles in (MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256, warps=2),
+                  MoeTiles(block_m=1, up_n=32, up_k=32, down_n=64, down_k=64, down_split=3)):
+        close(tri.moe_experts(x, idx, w, gate_up16, down16, tiles=tiles, **kw), base,
+              1e-2 * float(base.float().abs().max()))
 model = build_model("gpt_oss_tiny", dtype="fp32", device="cpu", seed=4, weights="mxfp4").model
 fused_backends_agree(model, torch.randint(0, 100, (2, 5)), 16, 3, "gpt_oss_tiny mxfp4")
 

@@ -344,6 +344,56 @@ def mx_tile(wrow_ptr, srow_ptr, k0, K, s_wk, s_sk, nmask, dt: tl.constexpr, BLOC
     return tl.reshape(tl.reshape(v, (BLOCK_N, NS, 32)) * sf[:, :, None], (BLOCK_N, BLOCK_K)).to(dt)
 
 
+@triton.jit
+def _h2(a):
+    """An int32 holding two fp16 bit patterns -> (its low half's value, its high half's) in fp32, exactly."""
+    lo = (a & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (a >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _e2m1_word(w):
+    """int32 words of 8 e2m1 codes (code j at bits 4j .. 4j + 3: column j of the word's 8) -> [.., 2, 2, 2] (row
+    major: [.., 8]) their values
+    times 2^-14 in fp32, exactly. Codes j and j + 4 sit 16 bits apart, so one shift and mask place both as the fp16
+    halves of one int32: each code's exponent and mantissa bits as an fp16's lowest exponent bits and its mantissa's
+    top, its sign as the fp16's sign (exponent 0, the codes 0 and 0.5, lands on fp16's subnormals: no select), then
+    the exact fp16 -> fp32 conversion: about three instructions a value where a code at a time takes six."""
+    MAG: tl.constexpr = 0x0E000E00
+    SIGN: tl.constexpr = -0x7FFF8000  # 0x80008000 as an int32
+    v0, v4 = _h2(((w << 9) & MAG) | ((w << 12) & SIGN))
+    v1, v5 = _h2(((w << 5) & MAG) | ((w << 8) & SIGN))
+    v2, v6 = _h2(((w << 1) & MAG) | ((w << 4) & SIGN))
+    v3, v7 = _h2(((w >> 3) & MAG) | (w & SIGN))
+    # [.., j2, j1, j0] = value 4 j2 + 2 j1 + j0 (tl.join adds its pair as the last dim)
+    return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+
+
+@triton.jit
+def mx_row_mac(x, acc, wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """mac's one-row CUDA-core product for mxfp4 weights: acc [BLOCK_N, BLOCK_K] (mac_init's 2-d accumulator) + x
+    [1, BLOCK_K] times columns k0 .. k0 + BLOCK_K of BLOCK_N weight rows (wrow_ptr [BLOCK_N, 1]: each row's packed
+    bytes, contiguous along K, read as int32 words of 8 codes; srow_ptr and the mask as mx_tile's). The codes decode to
+    their values times 2^-14 (_e2m1_word); each 32-column group's scale 2^(s - 127) times 2^14 is one exponent, s + 14
+    (scale bytes above 240, weights of 2^114 or more, are refused where weights load), so each weight is its
+    dequantized value in fp32 (exactly: a power of two times a 2-bit value) without the round trip through the
+    compute dtype, and x times it is the reference's product (exact). The result differs from the
+    dequantize-then-matmul reference only in the order of its fp32 sums."""
+    W: tl.constexpr = BLOCK_K // 8
+    NS: tl.constexpr = BLOCK_K // 32
+    kw = k0 // 8 + tl.arange(0, W)
+    w = tl.load(wrow_ptr.to(tl.pointer_type(tl.int32)) + kw[None, :], mask=nmask[:, None] & (kw < K // 8)[None, :],
+                other=0)  # [BLOCK_N, W]
+    v = tl.reshape(_e2m1_word(w), (BLOCK_N, NS, 32))
+    j = k0 // 32 + tl.arange(0, NS)
+    sc = tl.load(srow_ptr[:, None] + j[None, :] * s_sk, mask=nmask[:, None] & (j < K // 32)[None, :],
+                 other=127).to(tl.int32)  # [BLOCK_N, NS]
+    sf = ((sc + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) * 2^14, a normal fp32 for every s <= 240
+    x3 = tl.reshape(x.to(tl.float32), (1, NS, 32))
+    return acc + tl.sum(x3 * v, axis=2) * sf
+
+
 def act_k(block_k: int, rows: int) -> int:
     """An A8 GEMM's K step: 128 on the tensor cores (rows >= 16: fp8_mma scales each MMA's sum), else whole
     128-column blocks (act_q8), at least one."""
@@ -363,8 +413,12 @@ def mx_dot(x, acc, w_ptr, rows, s_wj, s_wk, s_ptr, s_sj, s_sk, k0, K, nmask, BLO
            BLOCK_K: tl.constexpr, DOT: tl.constexpr = 1):
     """acc + x [BLOCK_M, BLOCK_K] @ W[rows, k0 : k0 + BLOCK_K]^T for mxfp4 W: packed bytes at w_ptr + row * s_wj +
     (column / 2) * s_wk, scales at s_ptr + row * s_sj + (column / 32) * s_sk; rows [BLOCK_N], masked by nmask.
-    DOT 0: mac's CUDA-core products on the register decode (acc: mac_init's)."""
-    if not DOT:
+    DOT 0: mac's CUDA-core products on the register decode (acc: mac_init's); one row (BLOCK_M 1): mx_row_mac's (acc:
+    mac_init's 2-d one, ROW)."""
+    if not DOT and x.shape[0] == 1:
+        out = mx_row_mac(x, acc, w_ptr + rows[:, None] * s_wj, s_ptr + rows * s_sj, k0, K, s_sk, nmask, BLOCK_N,
+                         BLOCK_K)
+    elif not DOT:
         w = mx_tile(w_ptr + rows[:, None] * s_wj, s_ptr + rows * s_sj, k0, K, s_wk, s_sk, nmask, x.dtype, BLOCK_N,
                     BLOCK_K)
         out = mac(x, w, acc, DOT)

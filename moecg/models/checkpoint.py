@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from moecg.models.formats import BLOCK, FP8, MX_BLOCK, MX_SCALES, SCALE, WeightFormatError
+from moecg.models.formats import BLOCK, FP8, MX_BLOCK, MX_SCALE_MAX, MX_SCALES, SCALE, WeightFormatError
 from moecg.models.weights import Fp8Linear, weight_format
 
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -211,9 +211,11 @@ def load_checkpoint(model, path: str) -> None:
                 if tuple(src.shape) != want or src.dtype != torch.uint8:
                     raise WeightFormatError(f"model.pretrained_path={path}: {key} is {src.dtype} "
                                             f"{tuple(src.shape)}, the model expects torch.uint8 {want}")
-                if key.endswith(MX_SCALES) and bool((src == 255).any()):
-                    raise WeightFormatError(f"model.pretrained_path={path}: {key} holds scale byte 255 (NaN in e8m0): "
-                                            "a block moecg cannot compute with")
+                if key.endswith(MX_SCALES) and bool((src > MX_SCALE_MAX).any()):
+                    top = int(src.max())
+                    raise WeightFormatError(f"model.pretrained_path={path}: {key} holds scale byte {top} "
+                                            f"({'NaN in e8m0' if top == 255 else f'2^{top - 127}'}): moecg's kernels "
+                                            f"take scale bytes up to {MX_SCALE_MAX} (blocks under 6 x 2^113)")
                 dst.copy_(src.reshape(dst.shape))
     missing = sorted(set(state) - filled - {n + SCALE for n in quant})
     if missing:

@@ -45,6 +45,9 @@ EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the fused experts' quantized pa
 MX_BLOCK = 32  # values per mxfp4 scale, along K
 MX_SCALES = "_scales"  # the published suffix of an mxfp4 weight's scales (its values: `<name>_blocks`)
 MX_BIAS = 127  # e8m0: scale byte s is 2^(s - 127)
+MX_SCALE_MAX = 240  # the largest scale byte the kernels take: their one-row product folds 2^14 into the scale's
+# exponent (moecg.kernels.quant.mx_row_mac), so 2^(s - 113) must stay finite; blocks of 6 x 2^113 and more
+# (no trained or initialised weights) are refused where weights are quantized or loaded
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 codes
 
 
@@ -143,6 +146,9 @@ def _mx_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e = torch.where(amax > 6 * torch.ldexp(torch.ones_like(amax), e), e + 1, e)
     e = torch.where(amax <= 6 * torch.ldexp(torch.ones_like(amax), e - 1), e - 1, e)
     e = torch.where(amax > 0, e, torch.zeros_like(e)).clamp(1 - MX_BIAS, 254 - MX_BIAS)
+    if bool((e > MX_SCALE_MAX - MX_BIAS).any()):
+        raise WeightFormatError(f"model.weights=mxfp4: a 32-value block reaches {float(amax.max()):.3g}, above "
+                                f"the scale byte {MX_SCALE_MAX} the kernels take (blocks under 6 x 2^113)")
     x = b / torch.ldexp(torch.ones_like(amax), e)[..., None]
     mag = x.abs().clamp(max=6.0)
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=w.device)
