@@ -96,7 +96,8 @@ def test_mxfp4_moe_kernels_are_the_dequantized_kernels(shape, T):
 def test_mxfp4_moe_output_tiles_change_no_value(T):
     """GPT-OSS-120B's layer dims with its experts' arithmetic (interleaved clamped SwiGLU, biases), 16 of its experts:
     the output-column tiles (up_n, down_n) change which program computes a column, the K steps how many columns a
-    step takes; every tiling within bf16 rounding of the reference and of the table's tiles."""
+    step takes, one row a program (block_m 1) moves the products to the CUDA cores; every tiling within bf16 rounding
+    of the reference and of the table's tiles."""
     D, I, E, K = 2880, 2880, 16, 4
     g = torch.Generator(device="cuda").manual_seed(T)
     gate_up = Mxfp4(*mx_quantize(torch.randn(E, 2 * I, D, device="cuda", generator=g) * 0.02), BF)
@@ -113,7 +114,9 @@ def test_mxfp4_moe_output_tiles_change_no_value(T):
     base = tri.moe_experts(x, idx, w, gate_up, down, tiles=t, **kw)
     _close(base, want)
     for tiles in (replace(t, down_n=32), replace(t, up_n=32, down_n=32), replace(t, up_n=128),
-                  replace(t, up_k=256, down_k=256, stages=3), replace(t, down_n=32, up_k=256, down_k=256, stages=3)):
+                  replace(t, up_k=256, down_k=256, stages=3), replace(t, down_n=32, up_k=256, down_k=256, stages=3),
+                  moe_tiles(1, D, I, E, "mxfp4"), replace(CORE_MOE, stages=3),  # one row a program (quant.mx_row_mac)
+                  MoeTiles(block_m=1, up_n=32, up_k=128, down_n=32, down_k=512, down_split=2)):
         got = tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles, **kw)
         diff = float((got.float() - base.float()).abs().max())
         print(f"mxfp4 T {T} {tiles}: max |diff| against the table's tiles {diff:.3e}")
