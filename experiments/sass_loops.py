@@ -3,6 +3,7 @@ ptxas (as a launch specialises it: 16-byte aligned pointers, strides and sizes m
 its nvdisasm; per kernel its shared memory and its K loop's SASS instruction mix.
 
   python experiments/sass_loops.py --out experiments/results/gemv_split/sass_loops.md
+  python experiments/sass_loops.py --mxfp4 --out experiments/results/mx_row/sass_loops.md
 
 Rows: the A8 GEMV at the tiles its table (moecg.kernels.tiles.fp8_gemv_tiles) picks for Qwen3-30B-A3B's qkv and o
 projections at bs 8, the dropless MoE up / down kernels at their A8 tensor-core tiles (block_m 16), and two probes of
@@ -99,15 +100,43 @@ def kernels():
                dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, LATE=late), 6)
 
 
+MX_KEEP = ("FFMA", "FMUL", "HADD2", "LOP3", "IMAD", "SHF", "PRMT", "HMUL2", "HMMA", "LDG", "LDGSTS", "LDS", "STS")
+
+
+def mx_kernels():
+    """(name, Triton kernel, constexprs, stages, weights a thread takes a loop iteration) of the mxfp4 rows: GPT-OSS's
+    experts (interleaved clamped SwiGLU, biases) at batch 1, 16 output columns x 256-wide K steps, one row a program
+    on the CUDA cores (quant.mx_row_mac) and 16 rows on tl.dot_scaled."""
+    for bm in (1, 16):
+        c = dict(K=4, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=256, BLOCK_S=64, USE_PDL=2, QROWS=0, A8=0, MX=1,
+                 s_wk=1, s_sk=1, HAS_VALID=False)
+        how = "one row, CUDA cores" if bm == 1 else "16 rows, tl.dot_scaled"
+        yield (f"MoE up, 16 gate + 16 up columns x 256, {how}", moe._moe_up_kernel,
+               dict(c, COUNT=False, JM=2, JU=1, ACT=1, PAIRED=0), 3, 2 * 16 * 256 // 128)
+        yield f"MoE down, 16 columns x 256, {how}", moe._moe_down_kernel, dict(c, SPLIT=1, PRELOAD=1), 3, 16 * 256 // 128
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--mxfp4", action="store_true", help="the mxfp4 MoE loops instead (instructions a weight)")
     args = ap.parse_args()
-    lines = [f"sm_90 SASS of the W8A8 kernels' K loops, compiled on a CPU with Triton {triton.__version__}'s ptxas "
-             "(`experiments/sass_loops.py`); counts of instructions in the loop body, not time", "",
-             f"| kernel | stages | shared KB | loop instructions | {' | '.join(KEEP)} | wgmma waits |",
-             "|---" * (5 + len(KEEP)) + "|"]
-    for name, fn, consts, stages in kernels():
+    if args.mxfp4:
+        lines = [f"sm_90 SASS of the mxfp4 MoE kernels' K loops, compiled on a CPU with Triton {triton.__version__}'s "
+                 "ptxas (`experiments/sass_loops.py --mxfp4`), 4 warps; instructions in the loop body (not time) and "
+                 "per weight a thread takes an iteration", "",
+                 f"| kernel | loop instructions | a weight | {' | '.join(MX_KEEP)} |", "|---" * (3 + len(MX_KEEP)) + "|"]
+        for name, fn, consts, stages, per in mx_kernels():
+            k = compile_sm90(fn, consts, stages, div16=SM90_DIV16, w_ptr="*u8", ws_ptr="*u8")
+            n, ops = loop_mix(k.asm["cubin"])
+            lines.append(f"| {name} | {n} | {n / per:.1f} | " + " | ".join(str(ops.get(o, 0)) for o in MX_KEEP) + " |")
+            print(lines[-1], flush=True)
+    else:
+        lines = [f"sm_90 SASS of the W8A8 kernels' K loops, compiled on a CPU with Triton {triton.__version__}'s ptxas "
+                 "(`experiments/sass_loops.py`); counts of instructions in the loop body, not time", "",
+                 f"| kernel | stages | shared KB | loop instructions | {' | '.join(KEEP)} | wgmma waits |",
+                 "|---" * (5 + len(KEEP)) + "|"]
+    for name, fn, consts, stages in () if args.mxfp4 else kernels():
         k = compile_sm90(fn, consts, stages, div16=SM90_DIV16, **SM90_F8)
         n, ops = loop_mix(k.asm["cubin"])
         waits = re.findall(r"warp_group_dot_wait\b[^\n]*pendings = (\d+)", k.asm["ttgir"])

@@ -5,7 +5,10 @@ reference does (fp32 products rounded once to the compute dtype), so a kernel's 
 - mxfp4 (mx_dot): two e2m1 codes a byte (low nibble: the even column), one e8m0 scale byte per 32 columns of a row.
   The MoE kernels (moe.py, capacity.py). bf16 activations: Triton's tl.dot_scaled (on Hopper the compiler upcasts the
   e2m1 operand to bf16 times its scale, exact, in the MMA's operand layout: 1.6x the register decode's speed, measured
-  by experiments/bench_mx_tile.py); other dtypes: the register decode (mx_tile), then tl.dot.
+  by experiments/bench_mx_tile.py); other dtypes: the register decode (mx_tile), then tl.dot. One row a program
+  (batch 1, block_m 1): mx_row_mac on the CUDA cores, which reads the packed rows as int32 words of 8 codes and
+  decodes two codes a shift and mask (about 5 SASS instructions a weight in the MoE loops, where the tl.dot_scaled
+  tiles take 17 and a code at a time 19: at decode sizes these kernels are bound by their instructions, not bytes).
 
 fp8_dynamic activations (A8, moecg.models.formats.act_quant, with block-FP8 weights; the input tile of a K step:
 a8_tile): the GEMM input comes quantized once, by the kernel that produced it (store_act_quant_tile beside its output:
