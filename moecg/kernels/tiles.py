@@ -108,7 +108,8 @@ FP8_MOE_TILE_RULES: tuple[TileRule, ...] = (
 # 1.703 ms a step against 1.885 at the default tiles, the same bits; at bs 8 they were slower, 5.26 against 4.25).
 # Other mxfp4 shapes (Qwen3-30B-A3B's experts in mxfp4) are not measured with them.
 MX_MOE_TILE_RULES: tuple[TileRule, ...] = (
-    TileRule(MoeTiles(up_k=256, down_k=256, stages=3), tokens=(1, 2), weight=(0, 32 * 2**20)),
+    TileRule(MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=512, stages=3), tokens=(1, 2)),
+    TileRule(MoeTiles(block_m=1, up_n=32, down_n=64), tokens=(2, 9)),
 )
 FORMAT_TILE_RULES = {"full": FULL_MOE_TILE_RULES, "fp8_block": FP8_MOE_TILE_RULES, "mxfp4": MX_MOE_TILE_RULES}  # by model.weights
 
