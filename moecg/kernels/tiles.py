@@ -103,10 +103,14 @@ FP8_MOE_TILE_RULES: tuple[TileRule, ...] = (
 )
 
 
-# mxfp4 experts, ahead of the rules above: at batch 1 the same 256-wide K steps and 3 stages (GPT-OSS-120B's layer,
-# 12 layers of its fused step, H200, bench_step_variants.py, experiments/results/weights_whole/mx_tiles_12_layers.md:
-# 1.703 ms a step against 1.885 at the default tiles, the same bits; at bs 8 they were slower, 5.26 against 4.25).
-# Other mxfp4 shapes (Qwen3-30B-A3B's experts in mxfp4) are not measured with them.
+# mxfp4 experts, ahead of the rules above: up to 8 rows one row a program, its products on the CUDA cores
+# (quant.mx_row_mac: int32 words of 8 codes, about 5 instructions a weight where tl.dot_scaled's tiles take 17-19 and
+# bind the kernels by their instructions; experiments/results/mx_row/). In the captured step on an H100
+# (bench_step_variants.py, 12 layers, against the rule before, 16 rows on tl.dot_scaled with 256-wide K steps and 3
+# stages at bs 1, the defaults at bs 8): GPT-OSS-120B 1.751 -> 1.310 ms at bs 1 and 4.537 -> 3.815 at bs 8,
+# GPT-OSS-20B 1.760 -> 1.309 and 3.693 -> 3.486, Qwen3-30B-A3B in mxfp4 1.005 -> 0.808 and 1.943 -> 1.897. At bs 8 the
+# bs-1 tiles were slower (16 columns: 4.714 / 2.749 ms on GPT-OSS-120B / Qwen3) and 32 x 64 columns the fastest of
+# five; bs 2-7 take them unmeasured. From 9 rows tl.dot_scaled as before.
 MX_MOE_TILE_RULES: tuple[TileRule, ...] = (
     TileRule(MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=512, stages=3), tokens=(1, 2)),
     TileRule(MoeTiles(block_m=1, up_n=32, down_n=64), tokens=(2, 9)),
