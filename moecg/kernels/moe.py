@@ -92,7 +92,7 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
             acc = mac(x, w, acc, DOT)
         acc_g, acc_u = tl.split(tl.reshape(mac_sum(acc, DOT), [BLOCK_M, BLOCK_N, 2]))
     else:
-        MXR: tl.constexpr = (MX != 0) & (BLOCK_M == 1)  # mxfp4, one row: quant.mx_row_mac's accumulator
+        MXR: tl.constexpr = (MX != 0) & (BLOCK_M == 1)  # mxfp4, one row: quant.mx_row_mac's, a sum per group
         acc_g = mac_init(BLOCK_M, BLOCK_N, BLOCK_K // 32 if MXR else BLOCK_K, DOT, ROW_SCALE | MXR, A8)
         acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K // 32 if MXR else BLOCK_K, DOT, ROW_SCALE | MXR, A8)
         wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
@@ -377,7 +377,9 @@ def _scale_args(w, transposed: bool):
     """(scale kernel arguments: ptr, its three strides, QROWS (block-FP8's rows per scale row; 0: not block-FP8) and
     MX (mxfp4) as a dict, the values tensor)."""
     if isinstance(w, Mxfp4):
-        s = w.scale
+        q, s = w.q, w.scale
+        if q.stride(-1) != 1 or q.stride(-2) % 4 or q.data_ptr() % 4:  # the one-row tiles read int32 words
+            raise ValueError("mxfp4 experts: the packed values must be contiguous along K with 4-byte aligned rows")
         return {"ws_ptr": s, "s_se": s.stride(0), "s_sj": s.stride(1), "s_sk": s.stride(2), "QROWS": 0, "MX": 1,
                 "A8": 0}, w.q
     if not isinstance(w, BlockFp8):

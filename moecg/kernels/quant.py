@@ -358,31 +358,31 @@ def _h2(a):
 @triton.jit
 def _e2m1_word(w):
     """int32 words of 8 e2m1 codes (code j at bits 4j .. 4j + 3: column j of the word's 8) -> [.., 2, 2, 2] (row
-    major: [.., 8]) their values
-    times 2^-14 in fp32, exactly. Codes j and j + 4 sit 16 bits apart, so one shift and mask place both as the fp16
-    halves of one int32: each code's exponent and mantissa bits as an fp16's lowest exponent bits and its mantissa's
-    top, its sign as the fp16's sign (exponent 0, the codes 0 and 0.5, lands on fp16's subnormals: no select), then
-    the exact fp16 -> fp32 conversion: about three instructions a value where a code at a time takes six."""
+    major, [.., 8]: column j at 4 j2 + 2 j1 + j0) their values times 2^-14 in fp32, exactly. Codes j and j + 4 sit 16
+    bits apart, so one shift and two masks place both as the fp16 halves of one int32: each code's exponent and
+    mantissa bits as an fp16's lowest exponent bits and its mantissa's top, its sign as the fp16's sign (exponent 0,
+    the codes 0 and 0.5, lands on fp16's subnormals: no select), then the exact fp16 -> fp32 conversion: about three
+    instructions a value where a code at a time takes six."""
     MAG: tl.constexpr = 0x0E000E00
     SIGN: tl.constexpr = -0x7FFF8000  # 0x80008000 as an int32
     v0, v4 = _h2(((w << 9) & MAG) | ((w << 12) & SIGN))
     v1, v5 = _h2(((w << 5) & MAG) | ((w << 8) & SIGN))
     v2, v6 = _h2(((w << 1) & MAG) | ((w << 4) & SIGN))
     v3, v7 = _h2(((w >> 3) & MAG) | (w & SIGN))
-    # [.., j2, j1, j0] = value 4 j2 + 2 j1 + j0 (tl.join adds its pair as the last dim)
+    # tl.join adds its pair as the last dim: [.., j2, j1, j0] is column 4 j2 + 2 j1 + j0
     return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
 
 
 @triton.jit
 def mx_row_mac(x, acc, wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """mac's one-row CUDA-core product for mxfp4 weights: acc [BLOCK_N, BLOCK_K] (mac_init's 2-d accumulator) + x
-    [1, BLOCK_K] times columns k0 .. k0 + BLOCK_K of BLOCK_N weight rows (wrow_ptr [BLOCK_N, 1]: each row's packed
-    bytes, contiguous along K, read as int32 words of 8 codes; srow_ptr and the mask as mx_tile's). The codes decode to
-    their values times 2^-14 (_e2m1_word); each 32-column group's scale 2^(s - 127) times 2^14 is one exponent, s + 14
-    (scale bytes above 240, weights of 2^114 or more, are refused where weights load), so each weight is its
-    dequantized value in fp32 (exactly: a power of two times a 2-bit value) without the round trip through the
-    compute dtype, and x times it is the reference's product (exact). The result differs from the
-    dequantize-then-matmul reference only in the order of its fp32 sums."""
+    """mac's one-row CUDA-core product for mxfp4 weights: acc [BLOCK_N, BLOCK_K / 32] (mac_init's 2-d accumulator, one
+    sum per 32-column scale group of the K step, added over the steps) + x [1, BLOCK_K] times columns k0 .. k0 +
+    BLOCK_K of BLOCK_N weight rows (wrow_ptr [BLOCK_N, 1]: each row's packed bytes, contiguous along K and 4-byte
+    aligned, read as int32 words of 8 codes; srow_ptr and the mask as mx_tile's). The codes decode to their values
+    times 2^-14 (_e2m1_word); x times them is exact (a bf16 or fp32 value times a 2-bit one); each group's 32 products
+    are summed in fp32, then scaled once by 2^(s - 127) times 2^14, one exponent, s + 14 (scale bytes above 240,
+    blocks of 6 x 2^113 and more, are refused where weights are quantized or loaded: formats.MX_SCALE_MAX). The result
+    differs from the dequantize-then-matmul reference only in the order of its fp32 sums."""
     W: tl.constexpr = BLOCK_K // 8
     NS: tl.constexpr = BLOCK_K // 32
     kw = k0 // 8 + tl.arange(0, W)
@@ -417,7 +417,7 @@ def mx_dot(x, acc, w_ptr, rows, s_wj, s_wk, s_ptr, s_sj, s_sk, k0, K, nmask, BLO
     """acc + x [BLOCK_M, BLOCK_K] @ W[rows, k0 : k0 + BLOCK_K]^T for mxfp4 W: packed bytes at w_ptr + row * s_wj +
     (column / 2) * s_wk, scales at s_ptr + row * s_sj + (column / 32) * s_sk; rows [BLOCK_N], masked by nmask.
     DOT 0: mac's CUDA-core products on the register decode (acc: mac_init's); one row (BLOCK_M 1): mx_row_mac's (acc:
-    mac_init's 2-d one, ROW)."""
+    mac_init's 2-d one, ROW, over the BLOCK_K / 32 scale groups of a step)."""
     if not DOT and x.shape[0] == 1:
         out = mx_row_mac(x, acc, w_ptr + rows[:, None] * s_wj, s_ptr + rows * s_sj, k0, K, s_sk, nmask, BLOCK_N,
                          BLOCK_K)
