@@ -116,33 +116,40 @@ def mx_kernels():
         yield f"MoE down, 16 columns x 256, {how}", moe._moe_down_kernel, dict(c, SPLIT=1, PRELOAD=1), 3, 16 * 256 // 128
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--mxfp4", action="store_true", help="the mxfp4 MoE loops instead (instructions a weight)")
-    args = ap.parse_args()
-    if args.mxfp4:
-        lines = [f"sm_90 SASS of the mxfp4 MoE kernels' K loops, compiled on a CPU with Triton {triton.__version__}'s "
-                 "ptxas (`experiments/sass_loops.py --mxfp4`), 4 warps; instructions in the loop body (not time) and "
-                 "per weight a thread takes an iteration", "",
-                 f"| kernel | loop instructions | a weight | {' | '.join(MX_KEEP)} |", "|---" * (3 + len(MX_KEEP)) + "|"]
-        for name, fn, consts, stages, per in mx_kernels():
-            k = compile_sm90(fn, consts, stages, div16=SM90_DIV16, w_ptr="*u8", ws_ptr="*u8")
-            n, ops = loop_mix(k.asm["cubin"])
-            lines.append(f"| {name} | {n} | {n / per:.1f} | " + " | ".join(str(ops.get(o, 0)) for o in MX_KEEP) + " |")
-            print(lines[-1], flush=True)
-    else:
-        lines = [f"sm_90 SASS of the W8A8 kernels' K loops, compiled on a CPU with Triton {triton.__version__}'s ptxas "
-                 "(`experiments/sass_loops.py`); counts of instructions in the loop body, not time", "",
-                 f"| kernel | stages | shared KB | loop instructions | {' | '.join(KEEP)} | wgmma waits |",
-                 "|---" * (5 + len(KEEP)) + "|"]
-    for name, fn, consts, stages in () if args.mxfp4 else kernels():
+def a8_table() -> list[str]:
+    lines = [f"sm_90 SASS of the W8A8 kernels' K loops, compiled on a CPU with Triton {triton.__version__}'s ptxas "
+             "(`experiments/sass_loops.py`); counts of instructions in the loop body, not time", "",
+             f"| kernel | stages | shared KB | loop instructions | {' | '.join(KEEP)} | wgmma waits |",
+             "|---" * (5 + len(KEEP)) + "|"]
+    for name, fn, consts, stages in kernels():
         k = compile_sm90(fn, consts, stages, div16=SM90_DIV16, **SM90_F8)
         n, ops = loop_mix(k.asm["cubin"])
         waits = re.findall(r"warp_group_dot_wait\b[^\n]*pendings = (\d+)", k.asm["ttgir"])
         lines.append(f"| {name} | {stages} | {k.metadata.shared / 1024:.0f} | {n} | "
                      + " | ".join(str(ops.get(o, 0)) for o in KEEP) + f" | {', '.join(waits) or '-'} |")
         print(lines[-1], flush=True)
+    return lines
+
+
+def mx_table() -> list[str]:
+    lines = [f"sm_90 SASS of the mxfp4 MoE kernels' K loops, compiled on a CPU with Triton {triton.__version__}'s "
+             "ptxas (`experiments/sass_loops.py --mxfp4`), 4 warps; instructions in the loop body (not time) and "
+             "per weight a thread takes an iteration", "",
+             f"| kernel | loop instructions | a weight | {' | '.join(MX_KEEP)} |", "|---" * (3 + len(MX_KEEP)) + "|"]
+    for name, fn, consts, stages, per in mx_kernels():
+        k = compile_sm90(fn, consts, stages, div16=SM90_DIV16, w_ptr="*u8", ws_ptr="*u8")
+        n, ops = loop_mix(k.asm["cubin"])
+        lines.append(f"| {name} | {n} | {n / per:.1f} | " + " | ".join(str(ops.get(o, 0)) for o in MX_KEEP) + " |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--mxfp4", action="store_true", help="the mxfp4 MoE loops instead (instructions a weight)")
+    args = ap.parse_args()
+    lines = mx_table() if args.mxfp4 else a8_table()
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:
