@@ -92,9 +92,8 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
             acc = mac(x, w, acc, DOT)
         acc_g, acc_u = tl.split(tl.reshape(mac_sum(acc, DOT), [BLOCK_M, BLOCK_N, 2]))
     else:
-        MXR: tl.constexpr = (MX != 0) & (BLOCK_M == 1)  # mxfp4, one row: quant.mx_row_mac's, a sum per group
-        acc_g = mac_init(BLOCK_M, BLOCK_N, BLOCK_K // 32 if MXR else BLOCK_K, DOT, ROW_SCALE | MXR, A8)
-        acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K // 32 if MXR else BLOCK_K, DOT, ROW_SCALE | MXR, A8)
+        acc_g = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8, MX)
+        acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8, MX)
         wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
         wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
         # A8 on the tensor cores: each step's scales loaded a step ahead (quant.fp8_scales), the up rows' as the gate's
@@ -192,8 +191,7 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
     nm = n < D
     DOT: tl.constexpr = BLOCK_M >= 16  # as up_tile's
     ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # as up_tile's
-    MXR: tl.constexpr = (MX != 0) & (BLOCK_M == 1)  # as up_tile's
-    acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K // 32 if MXR else BLOCK_K, DOT, ROW_SCALE | MXR, A8)
+    acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8, MX)
     PRE: tl.constexpr = A8 and DOT  # the scales a step ahead, as up_tile's
     srow = ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj if PRE else ws_ptr  # the rows' block-scale rows
     hs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, rows, rmask, s_qs, srow, nm, s_sk, k_lo, k_hi)
@@ -381,7 +379,7 @@ def _scale_args(w, transposed: bool):
         if q.stride(-1) != 1 or q.stride(-2) % 4 or q.data_ptr() % 4:  # the one-row tiles read int32 words
             raise ValueError("mxfp4 experts: the packed values must be contiguous along K with 4-byte aligned rows")
         return {"ws_ptr": s, "s_se": s.stride(0), "s_sj": s.stride(1), "s_sk": s.stride(2), "QROWS": 0, "MX": 1,
-                "A8": 0}, w.q
+                "A8": 0}, q
     if not isinstance(w, BlockFp8):
         return {"ws_ptr": w, "s_se": 0, "s_sj": 0, "s_sk": 0, "QROWS": 0, "MX": 0, "A8": 0}, w
     if transposed:

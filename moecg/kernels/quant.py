@@ -44,16 +44,19 @@ def w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def mac_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-             ROW: tl.constexpr = 0, A8: tl.constexpr = 0):
+             ROW: tl.constexpr = 0, A8: tl.constexpr = 0, MX: tl.constexpr = 0):
     """The accumulator mac adds into: [BLOCK_M, BLOCK_N] fp32 for tl.dot ([BLOCK_N, BLOCK_M] for fp8_mma: A8, its
     MMA's own orientation); on the CUDA cores each column's products
     kept apart until mac_sum, so the loop is one FMA per weight: [BLOCK_M, BLOCK_N, BLOCK_K], or with ROW (one row,
     fp8_row_mac's products) [BLOCK_N, BLOCK_K], the weight tile's own shape, so its values stay in the registers they
-    were loaded into (on an H100 that layout made the bf16 one-row step 4% slower: bf16 keeps the 3-d one)."""
+    were loaded into (on an H100 that layout made the bf16 one-row step 4% slower: bf16 keeps the 3-d one); mxfp4 (MX)
+    in one row: [BLOCK_N, BLOCK_K / 32], mx_row_mac's sum per 32-column scale group."""
     if DOT and A8:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     elif DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif MX and BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
     elif ROW:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
@@ -375,8 +378,8 @@ def _e2m1_word(w):
 
 @triton.jit
 def mx_row_mac(x, acc, wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """mac's one-row CUDA-core product for mxfp4 weights: acc [BLOCK_N, BLOCK_K / 32] (mac_init's 2-d accumulator, one
-    sum per 32-column scale group of the K step, added over the steps) + x [1, BLOCK_K] times columns k0 .. k0 +
+    """mac's one-row CUDA-core product for mxfp4 weights: acc [BLOCK_N, BLOCK_K / 32] (mac_init's with MX, one sum per
+    32-column scale group of the K step, added over the steps) + x [1, BLOCK_K] times columns k0 .. k0 +
     BLOCK_K of BLOCK_N weight rows (wrow_ptr [BLOCK_N, 1]: each row's packed bytes, contiguous along K and 4-byte
     aligned, read as int32 words of 8 codes; srow_ptr and the mask as mx_tile's). The codes decode to their values
     times 2^-14 (_e2m1_word); x times them is exact (a bf16 or fp32 value times a 2-bit one); each group's 32 products
@@ -417,7 +420,7 @@ def mx_dot(x, acc, w_ptr, rows, s_wj, s_wk, s_ptr, s_sj, s_sk, k0, K, nmask, BLO
     """acc + x [BLOCK_M, BLOCK_K] @ W[rows, k0 : k0 + BLOCK_K]^T for mxfp4 W: packed bytes at w_ptr + row * s_wj +
     (column / 2) * s_wk, scales at s_ptr + row * s_sj + (column / 32) * s_sk; rows [BLOCK_N], masked by nmask.
     DOT 0: mac's CUDA-core products on the register decode (acc: mac_init's); one row (BLOCK_M 1): mx_row_mac's (acc:
-    mac_init's 2-d one, ROW, over the BLOCK_K / 32 scale groups of a step)."""
+    mac_init's with MX, one sum per 32-column scale group of a step)."""
     if not DOT and x.shape[0] == 1:
         out = mx_row_mac(x, acc, w_ptr + rows[:, None] * s_wj, s_ptr + rows * s_sj, k0, K, s_sk, nmask, BLOCK_N,
                          BLOCK_K)
