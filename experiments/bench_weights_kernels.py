@@ -2,7 +2,8 @@
 
   python experiments/bench_weights_kernels.py --out experiments/results/weights/kernels.md --json .../kernels.json
 
-Rows: the dropless MoE kernels (moe_experts, T 1 and 8), the capacity kernels (every expert read, T 8, cf 1.25) and
+Rows: the dropless MoE kernels (moe_experts, T 1 and 8), the capacity kernels (every expert read, cf 1.25: at each T the
+table's tiles for C rows in the format, which capacity_experts picks, and the bf16 rule for T; at T 8 a grid too) and
 the qkv / o GEMVs (T 1 and 8), each in bf16 with its default tiles (the GEMVs: ops.linear's choice, cuBLAS or the
 table) and in block-FP8 over a grid of tiles; the MoE and capacity kernels in mxfp4 too (--formats; mxfp4 quantizes
 the experts only, so it has no GEMV rows). us per call: --copies distinct weight sets cycled inside one CUDA graph
@@ -28,6 +29,7 @@ from bench_kernels import graph_time_us  # same directory: one graph of back-to-
 from moecg.kernels import ref, triton_ops as tri
 from moecg.kernels.quant import quantize_rows
 from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles
+from moecg.moe_math import capacity
 from moecg.models.formats import BlockFp8, Mxfp4, mx_quantize, quantize_stacked
 from moecg.report import env_fields, write_report
 
@@ -86,6 +88,7 @@ def main(argv=None):
     ap.add_argument("--ops", nargs="+", default=["moe_experts", "capacity_experts", "qkv", "o"],
                     choices=["moe_experts", "capacity_experts", "qkv", "o"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--table-only", action="store_true", help="the capacity kernels at the two table choices only")
     ap.add_argument("--stages", nargs="+", type=int, default=None,
                     help="the GEMV grid's pipeline stages (default 3 4; with fp8_dynamic 3 4 6)")
     ap.add_argument("--out", default=None)
@@ -143,14 +146,20 @@ def main(argv=None):
                 if fmt != "bf16" and us == us:
                     err = float((fns[0]() - ref.moe_experts(x, idx, w, *sets[0])).abs().max())
                 row("moe_experts", T, fmt, t, us, gb, err)
-        # capacity: every expert's weights once
-        if T == 8 and "capacity_experts" in args.ops:
+        # capacity: every expert's weights once; the table's tiles for C rows in the format (what capacity_experts
+        # picks) and the bf16 rule for T (its choice before the format's table keyed on C), the grid at T 8
+        if "capacity_experts" in args.ops:
+            C = capacity(T, K, E, 1.25, 1)
             for fmt, sets, tile_set in cases(full, quant, t0, variants, fma):
                 gb = nbytes(sets[0][0]) + nbytes(sets[0][1])
-                for t in tile_set:
+                table = moe_tiles(C, D, I, E, "full" if fmt == "bf16" else fmt)
+                grid = tile_set if T == 8 and not args.table_only else []
+                for t in dict.fromkeys([table, t0, *grid]):
                     fns = [lambda gu=gu, dn=dn, t=t: tri.capacity_experts(x, idx, w, gu, dn, capacity_factor=1.25,
                                                                           tiles=t) for gu, dn in sets[:3]]
-                    row("capacity_experts", T, fmt, t, time_us(fns), gb)
+                    note = " ".join(n for n, c in ((f"[table at C {C}]", t == table), ("[bf16 rule at T]", t == t0))
+                                    if c)
+                    row("capacity_experts", T, fmt, f"{t} {note}".strip(), time_us(fns), gb)
     del full, quant
     torch.cuda.empty_cache()
     # -- GEMVs ----------------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from moecg.dispatch.state import DispatchState  # noqa: E402
 from moecg.dispatch.base import Dispatcher  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
-from moecg.kernels.tiles import GemvTiles, MoeTiles  # noqa: E402
+from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles  # noqa: E402
+from moecg.moe_math import capacity  # noqa: E402
 from moecg.models.adapter import ExpertSpec  # noqa: E402
 from moecg.models.formats import BLOCK, Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
 
@@ -166,6 +167,16 @@ for T, K, cf in ((6, 2, 0.5), (3, 2, 1.0)):
     assert torch.equal(got, tri.capacity_experts(x, idx, w, gate_up.dense(), down.dense(), capacity_factor=cf,
                                                  tiles=tiles)), (T, K, cf)
     close(got, ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf), 1e-4)
+# the capacity kernels at the table's tiles for C rows in the weights' format (what they pick when not told): C 1 at
+# these sizes, one row a program on the CUDA cores (mx_row_mac), K steps past D's and I's ends; drops at cf 0.5
+for T, K, cf in ((3, 2, 1.0), (8, 2, 0.5)):
+    x = torch.randn(T, D)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    C = capacity(T, K, E, cf)
+    assert C <= 2 and moe_tiles(C, D, I, E, "mxfp4").block_m == 1, C
+    close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf),
+          ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf), 1e-4)
 # GPT-OSS's experts arithmetic (interleaved clamped SwiGLU, biases) on bf16 activations: the output-column tiles
 # (up_n, down_n) and the K steps change no value (the GPU test asks the same of the compiled tl.dot_scaled)
 spec = ExpertSpec("swiglu_clamp", True, False, True, 1.702, 7.0)
