@@ -149,15 +149,15 @@ def main(argv=None):
         # capacity: every expert's weights once; the table's tiles for C rows in the format (what capacity_experts
         # picks) and the bf16 rule for T (its choice before the format's table keyed on C), the grid at T 8
         if "capacity_experts" in args.ops:
-            C = capacity(T, K, E, 1.25, 1)
+            cap = capacity(T, K, E, 1.25, 1)
             for fmt, sets, tile_set in cases(full, quant, t0, variants, fma):
                 gb = nbytes(sets[0][0]) + nbytes(sets[0][1])
-                table = moe_tiles(C, D, I, E, "full" if fmt == "bf16" else fmt)
+                table = moe_tiles(cap, D, I, E, "full" if fmt == "bf16" else fmt)
                 grid = tile_set if T == 8 and not args.table_only else []
                 for t in dict.fromkeys([table, t0, *grid]):
                     fns = [lambda gu=gu, dn=dn, t=t: tri.capacity_experts(x, idx, w, gu, dn, capacity_factor=1.25,
                                                                           tiles=t) for gu, dn in sets[:3]]
-                    note = " ".join(n for n, c in ((f"[table at C {C}]", t == table), ("[bf16 rule at T]", t == t0))
+                    note = " ".join(n for n, c in ((f"[table at C {cap}]", t == table), ("[bf16 rule at T]", t == t0))
                                     if c)
                     row("capacity_experts", T, fmt, f"{t} {note}".strip(), time_us(fns), gb)
     del full, quant

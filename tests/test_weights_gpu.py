@@ -132,7 +132,8 @@ CORE_MOE_TILES = (CORE_MOE, MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, do
 @pytest.mark.parametrize("weights", ["full", "fp8_block", "mxfp4"])
 def test_moe_kernels_on_the_cuda_cores_are_the_reference(weights, T):
     """block_m < 16: the MoE and capacity kernels' products on the CUDA cores (fp32, no tl.dot) in every format,
-    Qwen3-30B-A3B's layer dims: within bf16 rounding of the reference and of the tensor-core tiles."""
+    Qwen3-30B-A3B's layer dims: within bf16 rounding of the reference and of the tensor-core tiles; the capacity
+    kernels at their own tiles too."""
     D, I, E, K = 2048, 768, 128, 8
     g = torch.Generator(device="cuda").manual_seed(T)
     gu, dn = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * 0.02,
@@ -154,6 +155,9 @@ def test_moe_kernels_on_the_cuda_cores_are_the_reference(weights, T):
         for cf in (0.5, 1.25):
             _close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf, tiles=tiles),
                    ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf))
+    for cf in (0.5, 1.25):  # the capacity kernels' own choice: the format's table at C rows (1 here)
+        _close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf),
+               ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf))
 
 
 @pytest.mark.parametrize("T", [1, 3])
