@@ -8,7 +8,9 @@ Variants (names: `+`-joined switches on top of `base`):
            (capture.overlap_shared false), add_rmsnorm + router GEMM + router kernel (capture.fuse_router
            False), the MoE kernels on a grid of one program per expert, no split-K, every
            projection on cuBLAS (tiles.GEMV_RULES empty)
-  slot     the MoE kernels on a grid of one program per assignment when assignments < experts (grid="auto")
+  slot     the MoE kernels on grid="auto": one-row tiles on a program per assignment, each its own row; other tiles
+           on a program per assignment when assignments < experts, the expert's first running it; grid=G: moe_experts'
+           grid G (expert, slot, row, auto) whatever slot says
   splitN   the down GEMM split N ways over I (MoeTiles.down_split), partials added once in order, in the kernel
   overlap  the shared expert (silu-mul + down GEMM) on a second stream beside the routed experts
   router   residual add + norm + router GEMV + top-k as one kernel where the router is its own linear
@@ -92,6 +94,8 @@ def parse_variant(name: str) -> dict:
         elif p.split(".")[0] in ("g", "gn") and "=" in p and p.split(".")[-1].split("=")[0] in GEMV_FIELDS:
             key = "gemv_tiles" if p.startswith("g.") else "gemv_new"  # e.g. g.rows=1, gn.rows=1
             v.setdefault(key, {})[p.split(".")[-1].split("=")[0]] = int(p.split("=")[1])
+        elif p in ("grid=expert", "grid=slot", "grid=row", "grid=auto"):  # the MoE kernels' grid (moe_experts' grid)
+            v["grid"] = p[5:]
         elif p == "rt=0":  # the fp32 router on cuBLAS (F.linear) instead of the Triton GEMV
             v["rt"] = None
         elif p.startswith("rt.") and "=" in p and p[3:].split("=")[0] in GEMV_FIELDS:
@@ -102,7 +106,7 @@ def parse_variant(name: str) -> dict:
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, pre=0, nw=N, mb=N, as=N, am=N, "
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, pre=0, grid=G, nw=N, mb=N, as=N, am=N, "
                              "ls=N, lm=N, lt=0, ok=N, F=N, g.F=N, gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
     return v
 
@@ -141,7 +145,7 @@ def set_variant(v: dict) -> None:
             ea = triton_ops.ExpertArgs(a[3], a[4], kw.get("spec"))
             tiles = tiles_of(a[1].shape[0], a[0].shape[1], ea.inter, ea.num_experts, ea.weights)  # its format's
         tiles = dataclasses.replace(tiles, down_split=v["split"], **v.get("tiles", {}))
-        return moe(*a, tiles=tiles, grid="auto" if v["slot"] else "expert", **kw)
+        return moe(*a, tiles=tiles, grid=v.get("grid") or ("auto" if v["slot"] else "expert"), **kw)
 
     triton_ops.moe_experts = moe_experts
 

@@ -299,11 +299,16 @@ def test_kernels_compile_for_hopper():
                                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, BLOCK_S=64, USE_PDL=2, MX=1), **mx)
     build(moe._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=False, SPLIT=4, BLOCK_M=16, BLOCK_N=64,
                                      BLOCK_K=128, BLOCK_S=64, USE_PDL=2, MX=1), **mx)
-    for bm, k in ((1, 256), (1, 32)):  # one row on the CUDA cores: int32 words of 8 codes (quant.mx_row_mac)
+    for bm, k, row in ((1, 256, 1), (1, 32, 0)):  # one row on the CUDA cores: int32 words of 8 codes (mx_row_mac),
+        # on the row grid (a program per assignment, BY_ROW) and the slot grid
         build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=2, JU=1, HAS_BIAS=True, ACT=1,
-                                       BLOCK_M=bm, BLOCK_N=16, BLOCK_K=k, BLOCK_S=64, USE_PDL=2, MX=1), stages=3, **mx)
+                                       BLOCK_M=bm, BLOCK_N=16, BLOCK_K=k, BLOCK_S=64, USE_PDL=2, MX=1, BY_ROW=row),
+              stages=3, **mx)
         build(moe._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=True, SPLIT=1, BLOCK_M=bm, BLOCK_N=16,
-                                         BLOCK_K=k, BLOCK_S=64, USE_PDL=2, MX=1), stages=3, **mx)
+                                         BLOCK_K=k, BLOCK_S=64, USE_PDL=2, MX=1, BY_ROW=row), stages=3, **mx)
+    # block-FP8's one-row tiles on the row grid: the first K step's weights loaded before the PDL wait (PRELOAD)
+    build(moe._moe_down_kernel, dict(K=8, HAS_VALID=True, HAS_BIAS=False, SPLIT=2, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256,
+                                     BLOCK_S=64, USE_PDL=2, QROWS=128, BY_ROW=1), w_ptr="*fp8e4nv", ws_ptr="*fp32")
     for bm in (16, 1):  # GPT-OSS's paired gate/up on tl.dot and on the CUDA cores
         build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=2, JU=1, HAS_BIAS=True, ACT=1,
                                        BLOCK_M=bm, BLOCK_N=32, BLOCK_K=128, BLOCK_S=64, USE_PDL=2, PAIRED=1), stages=3)

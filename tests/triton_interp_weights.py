@@ -124,6 +124,22 @@ for T, K, grid, bm, valid in ((1, 2, "slot", 1, None), (4, 2, "expert", 2, torch
     for tiles in (MoeTiles(block_m=bm, up_n=32, up_k=128, down_n=16, down_k=64, down_split=2),
                   MoeTiles(block_m=bm, up_n=64, up_k=256, down_n=16, down_k=256)):
         _core_moe_checks(x, idx, w, valid, grid, tiles)
+# the row grid (one-row tiles, which grid "auto" runs on it: a program per assignment, each its own row): the slot
+# grid's bits (the same products per row), pad rows zero, the same counters; block-FP8 (split-K down) and mxfp4
+g = torch.Generator().manual_seed(1)  # its own: the checks below keep the random draws they were written with
+x = torch.randn(4, D, generator=g)
+idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(4)])
+idx[1] = idx[0]  # experts with two rows
+w = torch.rand(4, 2, generator=g)
+valid = torch.tensor([1, 1, 0, 1]) != 0
+for gu, dn, tiles in ((gate_up, down, MoeTiles(block_m=1, up_n=32, up_k=128, down_n=16, down_k=64, down_split=2)),
+                      (mgu, mdn, MoeTiles(block_m=1, up_n=64, up_k=256, down_n=64, down_k=512))):
+    (st1, c1), (st2, c2) = counters(E), counters(E)
+    got = tri.moe_experts(x, idx, w, gu, dn, valid, c1, tiles=tiles, grid="row")
+    assert torch.equal(got, tri.moe_experts(x, idx, w, gu, dn, valid, c2, tiles=tiles, grid="slot")), tiles
+    assert torch.equal(got, tri.moe_experts(x, idx, w, gu, dn, valid, tiles=tiles)), tiles  # auto: the row grid
+    assert st1.snapshot()["routed"] == st2.snapshot()["routed"]
+    assert torch.equal(got[~valid], torch.zeros_like(got[~valid]))
 # the GEMV: one row with 128-row scale groups takes the scale on x, also with K steps over two scale columns and a
 # ragged K; 96-row groups (two fused parts) under 64-row tiles dequantize each weight
 for T in (1, 3):

@@ -257,6 +257,17 @@ def _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K: tl.constexpr, HAS_VALID: tl
     return e, lead
 
 
+@triton.jit
+def _own_row(valid_ptr, p, S, K: tl.constexpr, HAS_VALID: tl.constexpr):
+    """Row grid (BY_ROW, one-row tiles): program p's row is assignment p itself -> (rows [1], row mask [1]: p is a
+    real token's assignment)."""
+    rows = p + tl.arange(0, 1)
+    rmask = rows < S
+    if HAS_VALID:
+        rmask = rmask & (tl.load(valid_ptr + rows // K, mask=rows < S, other=0) != 0)
+    return rows, rmask
+
+
 @triton.jit(do_not_specialize=["S", "by_slot"])
 def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_ptr, mass_ptr, tok_ptr,
                    S, by_slot, D, I, s_xt, s_we, s_wj, s_wk, s_be, s_hs, alpha, limit,
@@ -264,13 +275,20 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                    USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
-                   PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+                   PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0,
+                   BY_ROW: tl.constexpr = 0):
+    """BY_ROW (one-row tiles, with by_slot 1): program p runs assignment p's row, each real one, so no program of a
+    row block holds nothing; the expert's first assignment (lead) still keeps its counters."""
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
     e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
     cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
+    go = lead & (cnt > mb * BLOCK_M)
+    if BY_ROW:
+        rows, rmask = _own_row(valid_ptr, p, S, K, HAS_VALID)
+        go = tl.max(rmask.to(tl.int32), axis=0) > 0
     if COUNT:
         if (mb == 0) & (nb == 0):  # this expert's counters belong to this program alone: no atomics
             if lead:
@@ -292,7 +310,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                         acc_v += (tl.load(valid_ptr + tt, mask=tt < S // K, other=0) != 0).to(tl.int32)
                     n_tok = tl.sum(acc_v, axis=0)
                 tl.store(tok_ptr, tl.load(tok_ptr) + n_tok)
-    if lead & (cnt > mb * BLOCK_M):
+    if go:
         dt = h_ptr.dtype.element_ty
         hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
                              limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
@@ -306,7 +324,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk,
                      QROWS: tl.constexpr, MX: tl.constexpr, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
-                     q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+                     q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, BY_ROW: tl.constexpr = 0):
     """SPLIT > 1 (split-K over I, for batch-1 steps whose column blocks alone are too few programs): each of a
     tile's SPLIT programs stores its fp32 partial sum, and the last to finish (a per-tile counter) adds the
     partials in split order, so the result is deterministic and rounded once, as without splits; it then
@@ -314,7 +332,8 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
     PRELOAD (not mxfp4): the program finds its expert and loads its first K step's weight tile before its PDL wait.
     Its predecessor is the up kernel, which writes h only: the routing it reads (idx, and valid, written before the
     step) comes from the router kernel, complete before the up kernel's programs passed their own wait and let this
-    kernel launch."""
+    kernel launch.
+    BY_ROW: as the up kernel's; a pad row's programs write its zeros."""
     p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2) // SPLIT
@@ -322,14 +341,26 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
     PRE: tl.constexpr = PRELOAD and (BLOCK_M == 1) and not MX  # measured: the batch-1 tiles gain, FP8 tl.dot ones lose
     if PRE:
         e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
-        cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
+        if BY_ROW:
+            rows, rmask = _own_row(valid_ptr, p, S, K, HAS_VALID)
+            go = tl.max(rmask.to(tl.int32), axis=0) > 0
+        else:
+            cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
+            go = lead & (cnt > mb * BLOCK_M)
         n0 = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_run = tl.where(lead & (cnt > mb * BLOCK_M), D, 0)  # rows to load: none where the program will not run
+        n_run = tl.where(go, D, 0)  # rows to load: none where the program will not run
         k_lo0 = ks * k_chunk  # unsplit: ks 0 and k_chunk I
         w0 = w_tile(w_ptr + e.to(tl.int64) * s_we, n0, n0 < n_run, k_lo0, tl.minimum(k_lo0 + k_chunk, I), s_wn, s_wk,
                     BLOCK_K)
     pdl_enter(USE_PDL)
-    if HAS_VALID:  # pad rows get zeros here (no kernel writes them otherwise): program 0 of each tile column
+    if HAS_VALID and BY_ROW:  # pad rows get zeros here (no kernel writes them otherwise): their own programs
+        if ks == 0:
+            rp = p + tl.arange(0, 1)
+            pad = (rp < S) & (tl.load(valid_ptr + rp // K, mask=rp < S, other=1) == 0)
+            nz = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(y_ptr + rp[:, None] * s_ys + nz[None, :], tl.zeros([1, BLOCK_N], dtype=tl.float32),
+                     mask=pad[:, None] & (nz < D)[None, :])
+    elif HAS_VALID:  # the same, program 0 of each tile column
         if (p == 0) & (ks == 0):
             tt = mb * BLOCK_M + tl.arange(0, BLOCK_M)
             pad = (tt < S // K) & (tl.load(valid_ptr + tt, mask=tt < S // K, other=1) == 0)
@@ -339,9 +370,14 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                          tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=pad[:, None] & (nz < D)[None, :])
     if not PRE:
         e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
-        cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
+        if BY_ROW:
+            rows, rmask = _own_row(valid_ptr, p, S, K, HAS_VALID)
+            go = tl.max(rmask.to(tl.int32), axis=0) > 0
+        else:
+            cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
+            go = lead & (cnt > mb * BLOCK_M)
         w0 = rmask  # unused
-    if lead & (cnt > mb * BLOCK_M):
+    if go:
         dt = h_ptr.dtype.element_ty
         if SPLIT == 1:
             acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
@@ -443,8 +479,10 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
                 down_bias=None, tiles=None, xq=None, grid: str = "auto"):
     """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles). xq: x's act_quant
     from its producer, which experts taking fp8_dynamic inputs read instead of quantizing x (quant.a8_inputs).
-    grid: "expert" (a program per expert), "slot" (a program per assignment, the expert's first one runs it) or
-    "auto": slot when the assignments are fewer than the experts (decode at small batches), else expert."""
+    grid: "expert" (a program per expert), "slot" (a program per assignment, the expert's first one runs it), "row"
+    (one-row tiles, MoeTiles.block_m 1: a program per assignment, each running its own row) or "auto": row on one-row
+    tiles, else slot when the assignments are fewer than the experts (decode at small batches), else expert. On the
+    expert and slot grids one-row tiles give an expert T row blocks, most of them empty programs."""
     T, K = idx.shape
     D = x.shape[1]
     a = ExpertArgs(gate_up, down, spec, gate_up_bias, down_bias)
@@ -452,14 +490,17 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     E, inter = a.num_experts, a.inter
     S = T * K
     assert x.stride(1) == 1 and idx.is_contiguous()
-    if grid not in ("auto", "expert", "slot"):
-        raise ValueError(f"grid={grid!r}: choose auto, expert or slot")
-    by_slot = grid == "slot" or (grid == "auto" and S < E)
-    P = S if by_slot else E
+    if grid not in ("auto", "expert", "slot", "row"):
+        raise ValueError(f"grid={grid!r}: choose auto, expert, slot or row")
     t = tiles or _tiles.moe_tiles(T, D, inter, E, a.weights)
     split = t.down_split if down_bias is None else 1  # a biased down projection keeps one pass (bias before round)
     bm = t.block_m
-    m_blocks = triton.cdiv(T, bm)  # an expert gets at most one assignment per token
+    by_row = grid == "row" or (grid == "auto" and bm == 1)
+    if by_row and bm != 1:
+        raise ValueError(f"grid='row' runs one-row tiles (MoeTiles.block_m 1), not block_m {bm}")
+    by_slot = by_row or grid == "slot" or (grid == "auto" and S < E)
+    P = S if by_slot else E
+    m_blocks = 1 if by_row else triton.cdiv(T, bm)  # an expert gets at most one assignment per token
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)  # pad rows: zeroed by the down kernel
     wc = w.contiguous()
@@ -473,7 +514,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale, bm), BLOCK_S=64, num_warps=t.warps,
         num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], bm, xq),
-        **pdl_args(x.device, t.pdl_trigger))
+        **pdl_args(x.device, t.pdl_trigger), BY_ROW=int(by_row))
     n_blocks = triton.cdiv(D, t.down_n)
     down_k = quant_k(t.down_k, a.down_scale, bm)
     if split > 1:
@@ -489,5 +530,5 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
         HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=down_k, BLOCK_S=64,
         num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale["A8"], bm),
-        **pdl_args(x.device, t.pdl_trigger, preload=True))
+        **pdl_args(x.device, t.pdl_trigger, preload=True), BY_ROW=int(by_row))
     return y
