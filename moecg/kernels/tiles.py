@@ -117,6 +117,7 @@ FP8_MOE_TILE_RULES: tuple[TileRule, ...] = (
 MX_MOE_TILE_RULES: tuple[TileRule, ...] = (
     TileRule(MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=512, stages=3), tokens=(1, 2)),
     TileRule(MoeTiles(block_m=1, up_n=32, down_n=64), tokens=(2, 9)),
+    TileRule(MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=512, stages=3), tokens=(9, 17)),
 )
 FORMAT_TILE_RULES = {"full": FULL_MOE_TILE_RULES, "fp8_block": FP8_MOE_TILE_RULES, "mxfp4": MX_MOE_TILE_RULES}  # by model.weights
 
