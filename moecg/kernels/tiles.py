@@ -115,9 +115,7 @@ FP8_MOE_TILE_RULES: tuple[TileRule, ...] = (
 # capacity kernels alone 1377 -> 717 us at C 1 and 1399 -> 1155 at C 3 (bs 64; each slot block reads its expert
 # again), its 12-layer capacity step 16.48 -> 9.58 ms at bs 1 (experiments/results/capacity_tiles/).
 MX_MOE_TILE_RULES: tuple[TileRule, ...] = (
-    TileRule(MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=512, stages=3), tokens=(1, 2)),
-    TileRule(MoeTiles(block_m=1, up_n=32, down_n=64), tokens=(2, 9)),
-    TileRule(MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=512, stages=3), tokens=(9, 17)),
+    TileRule(MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=512, stages=3), tokens=(1, 17)),
 )
 FORMAT_TILE_RULES = {"full": FULL_MOE_TILE_RULES, "fp8_block": FP8_MOE_TILE_RULES, "mxfp4": MX_MOE_TILE_RULES}  # by model.weights
 
