@@ -172,12 +172,13 @@ def test_tile_table():
     t1, t8 = moe_tiles(1, 2880, 2880, 128, "fp8_block"), moe_tiles(8, 2880, 2880, 128, "fp8_block")
     assert (t1.up_k, t1.down_k, t1.stages) == (256, 256, 3) and t8 == DEFAULT
     assert moe_tiles(1, 4096, 14336, 8, "fp8_block") == mixtral  # Mixtral-sized experts: past the format rule's range
-    # mxfp4: one row a program on the CUDA cores up to 8 rows, whatever the shape; tl.dot_scaled from 9
-    mx1, mx8 = moe_tiles(1, 2880, 2880, 128, "mxfp4"), moe_tiles(8, 2880, 2880, 128, "mxfp4")
+    # mxfp4: one row a program on the CUDA cores up to 8 rows whatever the shape, to 16 with 64 experts or more;
+    # tl.dot_scaled beyond
+    mx1 = moe_tiles(1, 2880, 2880, 128, "mxfp4")
     assert (mx1.block_m, mx1.up_n, mx1.up_k, mx1.down_n, mx1.down_k, mx1.stages) == (1, 16, 256, 16, 512, 3)
-    assert (mx8.block_m, mx8.up_n, mx8.down_n) == (1, 32, 64) == (lambda t: (t.block_m, t.up_n, t.down_n))(
-        moe_tiles(2, 4096, 14336, 8, "mxfp4"))
-    assert moe_tiles(1, 4096, 14336, 8, "mxfp4") == mx1 and moe_tiles(9, 2880, 2880, 128, "mxfp4") == DEFAULT
+    assert mx1 == moe_tiles(8, 2880, 2880, 32, "mxfp4") == moe_tiles(2, 4096, 14336, 8, "mxfp4")
+    assert mx1 == moe_tiles(16, 2880, 2880, 128, "mxfp4") == moe_tiles(9, 2048, 768, 64, "mxfp4")
+    assert moe_tiles(9, 2880, 2880, 32, "mxfp4") == moe_tiles(17, 2880, 2880, 128, "mxfp4") == DEFAULT
     assert moe_tiles(1, 2880, 2880, 128, "full") == MoeTiles(up_n=32, stages=3)
     with pytest.raises(KeyError):
         moe_tiles(1, 2880, 2880, 128, "fp4")

@@ -284,22 +284,25 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
     mb = tl.program_id(1)
     nb = tl.program_id(2)
     e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
-    cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
-    go = lead & (cnt > mb * BLOCK_M)
     if BY_ROW:
         rows, rmask = _own_row(valid_ptr, p, S, K, HAS_VALID)
         go = tl.max(rmask.to(tl.int32), axis=0) > 0
+    else:
+        cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
+        go = lead & (cnt > mb * BLOCK_M)
     if COUNT:
         if (mb == 0) & (nb == 0):  # this expert's counters belong to this program alone: no atomics
             if lead:
                 wsum = tl.zeros([BLOCK_S], dtype=tl.float32)
+                nsum = tl.zeros([BLOCK_S], dtype=tl.int32)
                 for s0 in range(0, S, BLOCK_S):
                     s = s0 + tl.arange(0, BLOCK_S)
                     hit = tl.load(idx_ptr + s, mask=s < S, other=-1) == e
                     if HAS_VALID:
                         hit = hit & (tl.load(valid_ptr + s // K, mask=s < S, other=0) != 0)
                     wsum += tl.where(hit, tl.load(tw_ptr + s, mask=s < S, other=0.0).to(tl.float32), 0.0)
-                tl.store(cnt_ptr + e, tl.load(cnt_ptr + e) + cnt)
+                    nsum += hit.to(tl.int32)
+                tl.store(cnt_ptr + e, tl.load(cnt_ptr + e) + tl.sum(nsum, axis=0))  # its valid assignments
                 tl.store(mass_ptr + e, tl.load(mass_ptr + e) + tl.sum(wsum, axis=0))
             if p == 0:
                 n_tok = S // K

@@ -103,19 +103,24 @@ FP8_MOE_TILE_RULES: tuple[TileRule, ...] = (
 )
 
 
-# mxfp4 experts, ahead of the rules above: up to 8 rows one row a program, its products on the CUDA cores
-# (quant.mx_row_mac: int32 words of 8 codes, about 5 instructions a weight where tl.dot_scaled's tiles take 17-19 and
-# bind the kernels by their instructions; experiments/results/mx_row/). In the captured step on an H100
-# (bench_step_variants.py, 12 layers, against the rule before, 16 rows on tl.dot_scaled with 256-wide K steps and 3
-# stages at bs 1, the defaults at bs 8): GPT-OSS-120B 1.751 -> 1.310 ms at bs 1 and 4.537 -> 3.815 at bs 8,
-# GPT-OSS-20B 1.760 -> 1.309 and 3.693 -> 3.486, Qwen3-30B-A3B in mxfp4 1.005 -> 0.808 and 1.943 -> 1.897. At bs 8 the
-# bs-1 tiles were slower (16 columns: 4.714 / 2.749 ms on GPT-OSS-120B / Qwen3) and 32 x 64 columns the fastest of
-# five; bs 2-7 take them unmeasured. From 9 rows tl.dot_scaled as before.
+# mxfp4 experts, ahead of the rules above: one row a program, its products on the CUDA cores (quant.mx_row_mac: int32
+# words of 8 codes, about 5 instructions a weight where tl.dot_scaled's tiles take 17-19 and bind the kernels by their
+# instructions; experiments/results/mx_row/), on moe_experts' row grid (a program per assignment), 16 columns, 256- /
+# 512-wide K steps, 3 stages: up to 8 rows, and to 16 where the experts are many (each row reads its expert again, so
+# the rule holds while an expert averages about one row, T*K/E). In the 12-layer captured step on an H100
+# (bench_step_variants.py, experiments/results/row_grid/), against the table before (these tiles at bs 1, 32 x 64
+# columns at bs 2-8 on the slot grid, whose empty row blocks were most of its programs; tl.dot_scaled from 9 rows):
+# GPT-OSS-120B 1.296 -> 1.246 ms at bs 1, 3.793 -> 3.250 at bs 8, 6.918 -> 5.253 at bs 16; GPT-OSS-20B (32 experts)
+# 1.292 -> 1.245, 3.469 -> 3.128 at bs 8, but 4.427 -> 5.065 at bs 16 (2 rows an expert): there tl.dot_scaled stays.
+# Before these tiles (mx_row/): GPT-OSS-120B 1.751 ms at bs 1 and 4.537 at bs 8 on 16-row tl.dot_scaled tiles. bs 3,
+# 5-7 and 9-15 take the rule unmeasured (bs 2 and 4 measured: 1.757 -> 1.670, 2.636 -> 2.206 ms on GPT-OSS-120B).
 # The capacity kernels read these rules with C (1 at decode sizes, so every expert on one-row tiles): GPT-OSS-120B's
-# capacity kernels alone 1377 -> 717 us at C 1 and 1399 -> 1155 at C 3 (bs 64; each slot block reads its expert
-# again), its 12-layer capacity step 16.48 -> 9.58 ms at bs 1 (experiments/results/capacity_tiles/).
+# capacity kernels alone 1377 -> 717 us at C 1, its 12-layer capacity step 16.48 -> 9.58 ms at bs 1
+# (experiments/results/capacity_tiles/).
+MX_ROW = MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=512, stages=3)
 MX_MOE_TILE_RULES: tuple[TileRule, ...] = (
-    TileRule(MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=512, stages=3), tokens=(1, 17)),
+    TileRule(MX_ROW, tokens=(1, 9)),
+    TileRule(MX_ROW, tokens=(9, 17), experts=(64, math.inf)),
 )
 FORMAT_TILE_RULES = {"full": FULL_MOE_TILE_RULES, "fp8_block": FP8_MOE_TILE_RULES, "mxfp4": MX_MOE_TILE_RULES}  # by model.weights
 
