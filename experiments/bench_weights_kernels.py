@@ -28,7 +28,7 @@ from bench_kernels import graph_time_us  # same directory: one graph of back-to-
 
 from moecg.kernels import ref, triton_ops as tri
 from moecg.kernels.quant import quantize_rows
-from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles
+from moecg.kernels.tiles import GemvTiles, MoeTiles, capacity_tiles, moe_tiles
 from moecg.moe_math import capacity
 from moecg.models.formats import BlockFp8, Mxfp4, mx_quantize, quantize_stacked
 from moecg.report import env_fields, write_report
@@ -152,7 +152,7 @@ def main(argv=None):
             cap = capacity(T, K, E, 1.25, 1)
             for fmt, sets, tile_set in cases(full, quant, t0, variants, fma):
                 gb = nbytes(sets[0][0]) + nbytes(sets[0][1])
-                table = moe_tiles(cap, D, I, E, "full" if fmt == "bf16" else fmt)
+                table = capacity_tiles(cap, D, I, E, "full" if fmt == "bf16" else fmt)
                 grid = tile_set if T == 8 and not args.table_only else []
                 for t in dict.fromkeys([table, t0, *grid]):
                     fns = [lambda gu=gu, dn=dn, t=t: tri.capacity_experts(x, idx, w, gu, dn, capacity_factor=1.25,

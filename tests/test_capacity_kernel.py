@@ -20,7 +20,7 @@ from moecg.dispatch.capacity import Capacity
 from moecg.dispatch.state import LayerCounters
 from moecg.engine import DecodeEngine
 from moecg.kernels import ref
-from moecg.kernels.tiles import DEFAULT, MOE_TILE_RULES, MoeTiles, TileRule, moe_tiles
+from moecg.kernels.tiles import CAPACITY_ROWS, DEFAULT, MOE_TILE_RULES, MoeTiles, TileRule, capacity_tiles, moe_tiles
 from moecg.models import build_model
 from interp_runner import HAS_TRITON, run_marked  # tests/
 
@@ -179,6 +179,11 @@ def test_tile_table():
     assert mx1 == moe_tiles(8, 2880, 2880, 32, "mxfp4") == moe_tiles(2, 4096, 14336, 8, "mxfp4")
     assert mx1 == moe_tiles(16, 2880, 2880, 128, "mxfp4") == moe_tiles(9, 2048, 768, 64, "mxfp4")
     assert moe_tiles(9, 2880, 2880, 32, "mxfp4") == moe_tiles(17, 2880, 2880, 128, "mxfp4") == DEFAULT
+    # the capacity kernels: the table's tiles for C rows, one-row tiles at C > 1 on 32 x 64 columns
+    assert capacity_tiles(1, 2880, 2880, 128, "mxfp4") == mx1 and capacity_tiles(17, 2880, 2880, 128, "mxfp4") == DEFAULT
+    assert capacity_tiles(3, 2880, 2880, 128, "mxfp4") == CAPACITY_ROWS == MoeTiles(block_m=1, up_n=32, down_n=64)
+    assert capacity_tiles(1, 2048, 768, 128, "fp8_block") == moe_tiles(1, 2048, 768, 128, "fp8_block")
+    assert capacity_tiles(2, 2048, 1408, 60) == moe_tiles(2, 2048, 1408, 60) == DEFAULT
     assert moe_tiles(1, 2880, 2880, 128, "full") == MoeTiles(up_n=32, stages=3)
     with pytest.raises(KeyError):
         moe_tiles(1, 2880, 2880, 128, "fp4")

@@ -21,7 +21,7 @@ from moecg.dispatch.state import DispatchState  # noqa: E402
 from moecg.dispatch.base import Dispatcher  # noqa: E402
 from moecg.kernels import ref  # noqa: E402
 from moecg.kernels import triton_ops as tri  # noqa: E402
-from moecg.kernels.tiles import GemvTiles, MoeTiles, moe_tiles  # noqa: E402
+from moecg.kernels.tiles import GemvTiles, MoeTiles, capacity_tiles  # noqa: E402
 from moecg.moe_math import capacity  # noqa: E402
 from moecg.models.adapter import ExpertSpec  # noqa: E402
 from moecg.models.formats import BLOCK, Mxfp4, mx_quantize, quantize_stacked  # noqa: E402
@@ -190,7 +190,7 @@ for T, K, cf in ((3, 2, 1.0), (8, 2, 0.5)):
     idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     w = torch.rand(T, K)
     C = capacity(T, K, E, cf)
-    assert C <= 2 and moe_tiles(C, D, I, E, "mxfp4").block_m == 1, C
+    assert C <= 2 and capacity_tiles(C, D, I, E, "mxfp4").block_m == 1, C
     close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf),
           ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf), 1e-4)
 # GPT-OSS's experts arithmetic (interleaved clamped SwiGLU, biases) on bf16 activations: the output-column tiles

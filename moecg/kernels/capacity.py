@@ -11,8 +11,8 @@ Three launches, no sort, no prefix-sum kernel, no host sync:
                         It writes the slot table [E, C], the kept count [E], a keep flag per assignment, zeroes the
                         output rows it drops (and pad rows), and adds its expert's counters (and C applied, tokens).
   up   [E, C/BM, I/BN]: the dropless kernels' GEMM tile (moe.up_tile) on the slot table's rows, at the tiles the
-                        table (tiles.moe_tiles) gives C rows in the weights' format (at decode sizes C is 1-4: one row
-                        a program on the CUDA cores where the format's rules say so); program
+                        table gives C rows in the weights' format (tiles.capacity_tiles; at decode sizes C is 1-4: one
+                        row a program on the CUDA cores where the format's rules say so); program
                         (0, 0, 0) counts the tokens that lost all K (every expert's keep flags are written by then).
   down [E, C/BM, D/BN]: moe.down_tile, times the combine weight (renormalised over the token's kept
                         assignments if asked, from the keep flags).
@@ -32,7 +32,7 @@ from moecg.moe_math import DROP_POLICIES, capacity
 from moecg.kernels.launch import dry_zeros, launch, p2
 from moecg.kernels.moe import ExpertArgs, down_tile, quant_k, up_tile
 from moecg.kernels.quant import a8_inputs
-from moecg.kernels.tiles import moe_tiles
+from moecg.kernels.tiles import capacity_tiles
 
 BLOCK_T = 64  # tokens per ranking chunk: one chunk at every decode bucket up to 64
 
@@ -229,7 +229,7 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
     S = T * K
     assert x.stride(1) == 1 and idx.is_contiguous()
     C = capacity(T, K, E, capacity_factor, min_capacity)  # buffer slots: the padded shape's C bounds every threshold
-    t = tiles or moe_tiles(C, D, inter, E, a.weights)  # a slot block holds at most C rows: the table's tiles for C
+    t = tiles or capacity_tiles(C, D, inter, E, a.weights)  # a slot block holds at most C rows: the table's for C
     m_blocks = triton.cdiv(C, t.block_m)
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)  # [S, I] rows of kept assignments only
     y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)  # every row written: kept by down, rest by slots

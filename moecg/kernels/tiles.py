@@ -4,8 +4,8 @@ Dims: T tokens (rows of the step: the captured bucket), D hidden, I expert inter
 `moe_tiles(T, D, I, E, weights)` walks the experts' format's rules (FORMAT_TILE_RULES), then MOE_TILE_RULES, in order
 and returns the tiles of the first rule whose ranges hold the shape (each range half-open, [lo, hi)); DEFAULT where
 none does. Both kernel families read it in their weights' format: the dropless kernels (`moe.moe_experts`) with T, the
-most rows an expert gets, and the capacity kernels (`capacity.capacity_experts`) with C, the most an expert's slots
-hold (C = 1 at most decode sizes), which run the same GEMM tiles on other rows. A caller that sweeps tiles passes `tiles=MoeTiles(...)` instead (experiments/bench_kernels.py).
+most rows an expert gets, and the capacity kernels (`capacity.capacity_experts`, through `capacity_tiles`) with C, the
+most an expert's slots hold (C = 1 at most decode sizes), which run the same GEMM tiles on other rows. A caller that sweeps tiles passes `tiles=MoeTiles(...)` instead (experiments/bench_kernels.py).
 
 The values come from experiments/bench_kernels.py on an H200 (experiments/results/kernels/): 64x128 tiles, 4 warps,
 4 stages are best or within 3% for the Qwen shapes at bs 1-32; Mixtral-sized experts (I*D >= 32M, i.e. 4096 x 14336)
@@ -128,6 +128,18 @@ FORMAT_TILE_RULES = {"full": FULL_MOE_TILE_RULES, "fp8_block": FP8_MOE_TILE_RULE
 def moe_tiles(T: int, D: int, I: int, E: int, weights: str = "full") -> MoeTiles:  # noqa: E741
     """weights: the experts' format (model.weights: full, fp8_block, mxfp4), whose rules come first."""
     return _first(FORMAT_TILE_RULES[weights] + MOE_TILE_RULES, DEFAULT, T, D, I, E)
+
+
+# The capacity kernels' tiles: the table's for C rows in the format, but where those are one row a program and C > 1
+# (every expert then runs C slot blocks a column block, at decode sizes mostly empty) 32 x 64 columns, half the
+# programs: GPT-OSS-120B's mxfp4 capacity kernels alone at C 3 (bs 64) 1106 us on these, 1211 on the dropless rule's
+# 16 columns, 1380 on tl.dot_scaled (one H100, one call, experiments/results/capacity_tiles/).
+CAPACITY_ROWS = MoeTiles(block_m=1, up_n=32, down_n=64)
+
+
+def capacity_tiles(C: int, D: int, I: int, E: int, weights: str = "full") -> MoeTiles:  # noqa: E741
+    t = moe_tiles(C, D, I, E, weights)
+    return CAPACITY_ROWS if t.block_m == 1 and C > 1 else t
 
 
 # -- small-batch linears (the decode step's qkv and o projections) ------------------------------------------------
