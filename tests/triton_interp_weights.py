@@ -194,7 +194,18 @@ for T, K, cf in ((3, 2, 1.0), (8, 2, 0.5)):
     close(tri.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf),
           ref.capacity_experts(x, idx, w, gate_up, down, capacity_factor=cf), 1e-4)
 # GPT-OSS's experts arithmetic (interleaved clamped SwiGLU, biases) on bf16 activations: the output-column tiles
-# (up_n, down_n) and the K steps change no value (the GPU test asks the same of the compiled tl.dot_scaled)
+# (up_n, down_n) and the K steps change no value beyond the interpreter's own rounding: its tl.dot is numpy's matmul,
+# whose fp32 sums depend on the operands' shapes (another column count or K step, another BLAS blocking), so a
+# bf16-rounded GEMM output may land one ulp apart, rarely (seen: 1 element of 3 x 2 x 320 under other random draws)
+
+
+def within_an_ulp(got, want):
+    d = (got - want).abs()
+    assert bool((d <= want.abs() * 2**-7 + 1e-30).all()), float(d.max())  # one bf16 ulp of the output, relative
+    assert float((d > 0).float().mean()) < 0.01, float((d > 0).float().mean())
+
+
+
 spec = ExpertSpec("swiglu_clamp", True, False, True, 1.702, 7.0)
 BF = torch.bfloat16
 gate_up16, down16 = (Mxfp4(t.q, t.scale, BF) for t in (gate_up, down))
@@ -209,7 +220,7 @@ for T in (1, 3):
     close(base, want, 4e-2 * float(want.float().abs().max()))
     for tiles in (MoeTiles(down_n=32), MoeTiles(up_n=32, down_n=32), MoeTiles(up_n=128),
                   MoeTiles(up_k=256, down_k=256, stages=3)):
-        assert torch.equal(tri.moe_experts(x, idx, w, gate_up16, down16, tiles=tiles, **kw), base), (T, tiles)
+        within_an_ulp(tri.moe_experts(x, idx, w, gate_up16, down16, tiles=tiles, **kw), base)
     # one row a program on the CUDA cores (int32 words of 8 codes, each scale group's sum scaled once: the sums in
     # another order), K steps of one and of eight scale groups, the down GEMM split over I
     for tiles in (MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256, warps=2),
