@@ -24,7 +24,9 @@ from moecg.models.formats import BlockFp8, Mxfp4, fp8_input
 # dropless MoE for small token counts (decode): grid (expert, row block, column block). Each program finds the
 # assignments routed to its expert by scanning the [S] expert ids (S = T*K, small at decode), so there is no
 # sort or prefix-sum kernel before it; experts nobody picked exit after the scan. Weights are read once per
-# (expert, row block): the GEMM tile's rows are that expert's tokens.
+# (expert, row block): the GEMM tile's rows are that expert's tokens. One-row tiles (block_m 1) run on a row grid
+# instead (assignment, column block): each program its own assignment's row, so no program of an empty row block is
+# launched; an expert with several rows reads its weights once per row.
 # Weights are addressed by strides, so one kernel covers [E, 2I, D] / [E, D, I] and HF's transposed [E, D, 2I] /
 # [E, I, D] (GPT-OSS), with gate/up as two halves or interleaved columns (j = JM*n + JG for gate column n, + JU for
 # up); biases are added after each GEMM's rounding, as HF adds them; ACT 0 is SiLU, 1 GPT-OSS's clamped SwiGLU.
