@@ -260,14 +260,22 @@ def _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K: tl.constexpr, HAS_VALID: tl
 
 
 @triton.jit
-def _own_row(valid_ptr, p, S, K: tl.constexpr, HAS_VALID: tl.constexpr):
-    """Row grid (BY_ROW, one-row tiles): program p's row is assignment p itself -> (rows [1], row mask [1]: p is a
-    real token's assignment)."""
-    rows = p + tl.arange(0, 1)
-    rmask = rows < S
-    if HAS_VALID:
-        rmask = rmask & (tl.load(valid_ptr + rows // K, mask=rows < S, other=0) != 0)
-    return rows, rmask
+def _work(idx_ptr, valid_ptr, p, mb, S, by_slot, K: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_S: tl.constexpr, BY_ROW: tl.constexpr):
+    """Program (p, mb)'s work -> (expert e, lead: e's first valid assignment or expert program, rows [BLOCK_M], row
+    mask, go: it has rows to run). Row grid (BY_ROW, one-row tiles, by_slot 1): its row is assignment p itself, run
+    where p is a real token's; else the rows of e's row block mb (_rows_for), run by the lead."""
+    e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
+    if BY_ROW:
+        rows = p + tl.arange(0, 1)
+        rmask = rows < S
+        if HAS_VALID:
+            rmask = rmask & (tl.load(valid_ptr + rows // K, mask=rows < S, other=0) != 0)
+        go = tl.max(rmask.to(tl.int32), axis=0) > 0
+    else:
+        cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
+        go = lead & (cnt > mb * BLOCK_M)
+    return e, lead, rows, rmask, go
 
 
 @triton.jit(do_not_specialize=["S", "by_slot"])
@@ -285,13 +293,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
     p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
-    e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
-    if BY_ROW:
-        rows, rmask = _own_row(valid_ptr, p, S, K, HAS_VALID)
-        go = tl.max(rmask.to(tl.int32), axis=0) > 0
-    else:
-        cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
-        go = lead & (cnt > mb * BLOCK_M)
+    e, lead, rows, rmask, go = _work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S, BY_ROW)
     if COUNT:
         if (mb == 0) & (nb == 0):  # this expert's counters belong to this program alone: no atomics
             if lead:
@@ -345,13 +347,8 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
     ks = tl.program_id(2) % SPLIT
     PRE: tl.constexpr = PRELOAD and (BLOCK_M == 1) and not MX  # measured: the batch-1 tiles gain, FP8 tl.dot ones lose
     if PRE:
-        e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
-        if BY_ROW:
-            rows, rmask = _own_row(valid_ptr, p, S, K, HAS_VALID)
-            go = tl.max(rmask.to(tl.int32), axis=0) > 0
-        else:
-            cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
-            go = lead & (cnt > mb * BLOCK_M)
+        e, lead, rows, rmask, go = _work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S,
+                                         BY_ROW)
         n0 = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         n_run = tl.where(go, D, 0)  # rows to load: none where the program will not run
         k_lo0 = ks * k_chunk  # unsplit: ks 0 and k_chunk I
@@ -374,13 +371,8 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                 tl.store(y_ptr + (tt * K + k)[:, None] * s_ys + nz[None, :],
                          tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=pad[:, None] & (nz < D)[None, :])
     if not PRE:
-        e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
-        if BY_ROW:
-            rows, rmask = _own_row(valid_ptr, p, S, K, HAS_VALID)
-            go = tl.max(rmask.to(tl.int32), axis=0) > 0
-        else:
-            cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
-            go = lead & (cnt > mb * BLOCK_M)
+        e, lead, rows, rmask, go = _work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S,
+                                         BY_ROW)
         w0 = rmask  # unused
     if go:
         dt = h_ptr.dtype.element_ty

@@ -5,7 +5,8 @@ Dims: T tokens (rows of the step: the captured bucket), D hidden, I expert inter
 and returns the tiles of the first rule whose ranges hold the shape (each range half-open, [lo, hi)); DEFAULT where
 none does. Both kernel families read it in their weights' format: the dropless kernels (`moe.moe_experts`) with T, the
 most rows an expert gets, and the capacity kernels (`capacity.capacity_experts`, through `capacity_tiles`) with C, the
-most an expert's slots hold (C = 1 at most decode sizes), which run the same GEMM tiles on other rows. A caller that sweeps tiles passes `tiles=MoeTiles(...)` instead (experiments/bench_kernels.py).
+most an expert's slots hold (C = 1 at most decode sizes), which run the same GEMM tiles on other rows. A caller that
+sweeps tiles passes `tiles=MoeTiles(...)` instead (experiments/bench_kernels.py).
 
 The values come from experiments/bench_kernels.py on an H200 (experiments/results/kernels/): 64x128 tiles, 4 warps,
 4 stages are best or within 3% for the Qwen shapes at bs 1-32; Mixtral-sized experts (I*D >= 32M, i.e. 4096 x 14336)
