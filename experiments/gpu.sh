@@ -177,6 +177,32 @@ suite_preload() {  # weights loaded before each kernel's PDL wait (the default) 
       --variants $D_STEP+pre=0 $D_STEP $D_STEP+pre=0+pre=0 $D_STEP+pre=1
   done
 }
+suite_row_grid() {  # mxfp4 experts on one-row tiles (row grid) against tl.dot_scaled and 32 x 64 columns, GPT-OSS 12 layers, bs 1-64; its GPU tests
+  bench row_grid
+  t gpu_tests.log python3 -m pytest -q -m gpu tests/test_weights_gpu.py tests/test_act_gpu.py \
+    -k "mxfp4 or cuda_cores or moe_and_capacity" | grep -E "passed|failed|FAILED" | tail -4
+  local m T32=block_m=1+up_n=32+down_n=64+up_k=128+down_k=128+stages=4 DOT=block_m=16+up_n=64+down_n=64+up_k=128+down_k=128+stages=4
+  for m in gpt_oss_120b gpt_oss_20b; do
+    variant "$m" "$m" 12 --weights mxfp4 --batch 1 2 4 8 16 64 --repeats 3 --variants $D_STEP $D_STEP+grid=slot \
+      $D_STEP+$T32 $D_STEP+$DOT
+  done
+}
+suite_capacity_tiles() {  # the capacity kernels alone at the table's tiles for C against the bf16 rule for T; GPT-OSS-120B (mxfp4, 12 layers) and GLM-4.5-Air (fp8_block, 8 layers) capacity steps
+  bench capacity_tiles
+  local k="python3 experiments/bench_weights_kernels.py --skip-gemv --ops capacity_experts --table-only --copies 3"
+  t kernels_gpt_oss_120b.log $k --hidden 2880 --inter 2880 --experts 128 --top-k 4 --formats mxfp4 --tokens 1 8 64 \
+    --out "$D/kernels_gpt_oss_120b.md" --json "$D/kernels_gpt_oss_120b.json" | tail -1
+  t kernels_qwen3.log $k --formats fp8_block mxfp4 --tokens 1 8 --out "$D/kernels_qwen3.md" --json "$D/kernels_qwen3.json" | tail -1
+  t kernels_glm.log $k --hidden 4096 --inter 1408 --top-k 8 --formats fp8_block --tokens 1 8 --out "$D/kernels_glm.md" \
+    --json "$D/kernels_glm.json" | tail -1
+  local spec preset layers w bss
+  for spec in "gpt_oss_120b 12 mxfp4 1,8,64" "glm4_5_air 8 fp8_block 1,8"; do
+    read -r preset layers w bss <<< "$spec"
+    t "step_$preset.log" vs_compile --preset "$preset" --num-layers "$layers" --weights "$w" --batch ${bss//,/ } \
+      --buckets ${bss//,/ } --strategies full+fused capacity+fused --skip-hf-generate --skip-compile --repeats 2 \
+      --out "$D/step_$preset.md" --json "$D/step_$preset.json" | grep -E "own floor|failed|Error" | head -4
+  done
+}
 suite_activations() {  # fp8_dynamic activations (model.activations): their GPU tests, then Qwen3-30B-A3B (48 layers, fp8_block) at bs 1 and 8 with full and fp8_dynamic inputs, alternated
   bench activations
   t gpu_tests.log python3 -m pytest -q -s -m gpu tests/test_act_gpu.py | grep -E "agreement|passed|failed|FAILED" | tail -12
