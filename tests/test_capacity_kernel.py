@@ -305,8 +305,9 @@ def test_kernels_compile_for_hopper():
                                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, BLOCK_S=64, USE_PDL=2, MX=1), **mx)
     build(moe._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=False, SPLIT=4, BLOCK_M=16, BLOCK_N=64,
                                      BLOCK_K=128, BLOCK_S=64, USE_PDL=2, MX=1), **mx)
-    for bm, k, row in ((1, 256, 1), (1, 32, 0)):  # one row on the CUDA cores: int32 words of 8 codes (mx_row_mac),
-        # on the row grid (a program per assignment, BY_ROW) and the slot grid
+    for bm, k, row in ((1, 256, 1), (1, 32, 0), (4, 256, 0), (8, 64, 0)):  # on the CUDA cores: int32 words of 8
+        # codes, one row (mx_row_mac) on the row grid (a program per assignment, BY_ROW) and the slot grid; rows
+        # sharing a decode (mx_rows_mac: 4 split apart, 8 as a 4-d product)
         build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=2, JU=1, HAS_BIAS=True, ACT=1,
                                        BLOCK_M=bm, BLOCK_N=16, BLOCK_K=k, BLOCK_S=64, USE_PDL=2, MX=1, BY_ROW=row),
               stages=3, **mx)

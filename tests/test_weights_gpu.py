@@ -116,7 +116,8 @@ def test_mxfp4_moe_output_tiles_change_no_value(T):
     for tiles in (replace(t, down_n=32), replace(t, up_n=32, down_n=32), replace(t, up_n=128),
                   replace(t, up_k=256, down_k=256, stages=3), replace(t, down_n=32, up_k=256, down_k=256, stages=3),
                   moe_tiles(1, D, I, E, "mxfp4"), replace(CORE_MOE, stages=3),  # one row a program (quant.mx_row_mac)
-                  MoeTiles(block_m=1, up_n=32, up_k=128, down_n=32, down_k=512, down_split=2)):
+                  MoeTiles(block_m=1, up_n=32, up_k=128, down_n=32, down_k=512, down_split=2),
+                  MoeTiles(block_m=4, up_n=16, up_k=256, down_n=16, down_k=512, stages=3)):  # 4 rows, one decode
         got = tri.moe_experts(x, idx, w, gate_up, down, tiles=tiles, **kw)
         diff = float((got.float() - base.float()).abs().max())
         print(f"mxfp4 T {T} {tiles}: max |diff| against the table's tiles {diff:.3e}")

@@ -124,6 +124,16 @@ for T, K, grid, bm, valid in ((1, 2, "slot", 1, None), (4, 2, "expert", 2, torch
     for tiles in (MoeTiles(block_m=bm, up_n=32, up_k=128, down_n=16, down_k=64, down_split=2),
                   MoeTiles(block_m=bm, up_n=64, up_k=256, down_n=16, down_k=256)):
         _core_moe_checks(x, idx, w, valid, grid, tiles)
+# mxfp4 rows sharing one decode on the CUDA cores (quant.mx_rows_mac: 2 and 4 rows split apart, 8 as one 4-d
+# product), K steps ending inside D and I, the capacity kernels too
+x = torch.randn(9, D)
+idx = torch.stack([torch.randperm(E)[:3] for _ in range(9)])
+w = torch.rand(9, 3)
+for bm in (4, 8):
+    tiles = MoeTiles(block_m=bm, up_n=16, up_k=256, down_n=32, down_k=64)
+    close(tri.moe_experts(x, idx, w, mgu, mdn, tiles=tiles), ref.moe_experts(x, idx, w, mgu, mdn), 1e-4)
+    close(tri.capacity_experts(x, idx, w, mgu, mdn, capacity_factor=1.0, tiles=tiles),
+          ref.capacity_experts(x, idx, w, mgu, mdn, capacity_factor=1.0), 1e-4)
 # the row grid (one-row tiles, which grid "auto" runs on it: a program per assignment, each its own row): the slot
 # grid's bits (the same products per row), pad rows zero, the same counters; block-FP8 (split-K down) and mxfp4
 g = torch.Generator().manual_seed(1)  # its own: the checks below keep the random draws they were written with
@@ -222,9 +232,11 @@ for T in (1, 3):
                   MoeTiles(up_k=256, down_k=256, stages=3)):
         within_an_ulp(tri.moe_experts(x, idx, w, gate_up16, down16, tiles=tiles, **kw), base)
     # one row a program on the CUDA cores (int32 words of 8 codes, each scale group's sum scaled once: the sums in
-    # another order), K steps of one and of eight scale groups, the down GEMM split over I
+    # another order), K steps of one and of eight scale groups, the down GEMM split over I; 2 and 4 rows a program
     for tiles in (MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256, warps=2),
-                  MoeTiles(block_m=1, up_n=32, up_k=32, down_n=64, down_k=64, down_split=3)):
+                  MoeTiles(block_m=1, up_n=32, up_k=32, down_n=64, down_k=64, down_split=3),
+                  MoeTiles(block_m=2, up_n=16, up_k=256, down_n=16, down_k=256),  # rows sharing a decode
+                  MoeTiles(block_m=4, up_n=16, up_k=64, down_n=32, down_k=128)):
         close(tri.moe_experts(x, idx, w, gate_up16, down16, tiles=tiles, **kw), base,
               1e-2 * float(base.float().abs().max()))
 model = build_model("gpt_oss_tiny", dtype="fp32", device="cpu", seed=4, weights="mxfp4").model
