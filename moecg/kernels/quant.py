@@ -385,10 +385,11 @@ def mx_row_mac(x, acc, wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.const
     32-column scale group of the K step, added over the steps) + x [1, BLOCK_K] times columns k0 .. k0 +
     BLOCK_K of BLOCK_N weight rows (wrow_ptr [BLOCK_N, 1]: each row's packed bytes, contiguous along K and 4-byte
     aligned, read as int32 words of 8 codes; srow_ptr and the mask as mx_tile's). The codes decode to their values
-    times 2^-14 (_e2m1_word); x times them is exact (a bf16 or fp32 value times a 2-bit one); each group's 32 products
-    are summed in fp32, then scaled once by 2^(s - 127) times 2^14, one exponent, s + 14 (scale bytes above 240,
-    blocks of 6 x 2^113 and more, are refused where weights are quantized or loaded: formats.MX_SCALE_MAX). The result
-    differs from the dequantize-then-matmul reference only in the order of its fp32 sums."""
+    times 2^-14 (_e2m1_word); x times them is exact for bf16 x (8 significant bits times 2: within fp32's 24; an fp32
+    x rounds once, as the reference's product does); each group's 32 products are summed in fp32, then scaled once by
+    2^(s - 127) times 2^14, one exponent, s + 14 (scale bytes above 240, blocks of 6 x 2^113 and more, are refused
+    where weights are quantized or loaded: formats.MX_SCALE_MAX). For bf16 x the result differs from the
+    dequantize-then-matmul reference only in the order of its fp32 sums."""
     W: tl.constexpr = BLOCK_K // 8
     NS: tl.constexpr = BLOCK_K // 32
     kw = k0 // 8 + tl.arange(0, W)
