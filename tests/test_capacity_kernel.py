@@ -313,6 +313,13 @@ def test_kernels_compile_for_hopper():
               stages=3, **mx)
         build(moe._moe_down_kernel, dict(K=4, HAS_VALID=True, HAS_BIAS=True, SPLIT=1, BLOCK_M=bm, BLOCK_N=16,
                                          BLOCK_K=k, BLOCK_S=64, USE_PDL=2, MX=1, BY_ROW=row), stages=3, **mx)
+    # the block grid (a program per non-empty (expert, row block), found from every expert's count, in chunks of
+    # BLOCK_E experts): mxfp4 rows sharing a decode, bf16 tl.dot tiles with the split-K down GEMM
+    build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=2, JU=1, HAS_BIAS=True, ACT=1, BLOCK_M=4,
+                                   BLOCK_N=16, BLOCK_K=256, BLOCK_S=64, USE_PDL=2, MX=1, BY_BLOCK=1, BLOCK_E=128),
+          stages=3, **mx)
+    build(moe._moe_down_kernel, dict(K=8, HAS_VALID=True, HAS_BIAS=False, SPLIT=4, BLOCK_M=16, BLOCK_N=64,
+                                     BLOCK_K=128, BLOCK_S=64, USE_PDL=2, BY_BLOCK=1, BLOCK_E=128))
     # block-FP8's one-row tiles on the row grid: the first K step's weights loaded before the PDL wait (PRELOAD)
     build(moe._moe_down_kernel, dict(K=8, HAS_VALID=True, HAS_BIAS=False, SPLIT=2, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256,
                                      BLOCK_S=64, USE_PDL=2, QROWS=128, BY_ROW=1), w_ptr="*fp8e4nv", ws_ptr="*fp32")
