@@ -380,6 +380,22 @@ def _e2m1_word(w):
 
 
 @triton.jit
+def _mx_words(wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of BLOCK_N mxfp4 weight rows read as int32 words of 8 codes -> (their values times
+    2^-14, [BLOCK_N, BLOCK_K / 32, 32] fp32 (_e2m1_word), each 32-column group's scale times 2^14, [BLOCK_N,
+    BLOCK_K / 32]: 2^(s - 113), a normal fp32 for every scale byte s <= 240)."""
+    W: tl.constexpr = BLOCK_K // 8
+    NS: tl.constexpr = BLOCK_K // 32
+    kw = k0 // 8 + tl.arange(0, W)
+    w = tl.load(wrow_ptr.to(tl.pointer_type(tl.int32)) + kw[None, :], mask=nmask[:, None] & (kw < K // 8)[None, :],
+                other=0)  # [BLOCK_N, W]
+    j = k0 // 32 + tl.arange(0, NS)
+    sc = tl.load(srow_ptr[:, None] + j[None, :] * s_sk, mask=nmask[:, None] & (j < K // 32)[None, :],
+                 other=127).to(tl.int32)  # [BLOCK_N, NS]
+    return tl.reshape(_e2m1_word(w), (BLOCK_N, NS, 32)), ((sc + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def mx_row_mac(x, acc, wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """mac's one-row CUDA-core product for mxfp4 weights: acc [BLOCK_N, BLOCK_K / 32] (mac_init's with MX, one sum per
     32-column scale group of the K step, added over the steps) + x [1, BLOCK_K] times columns k0 .. k0 +
@@ -390,16 +406,8 @@ def mx_row_mac(x, acc, wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.const
     2^(s - 127) times 2^14, one exponent, s + 14 (scale bytes above 240, blocks of 6 x 2^113 and more, are refused
     where weights are quantized or loaded: formats.MX_SCALE_MAX). For bf16 x the result differs from the
     dequantize-then-matmul reference only in the order of its fp32 sums."""
-    W: tl.constexpr = BLOCK_K // 8
     NS: tl.constexpr = BLOCK_K // 32
-    kw = k0 // 8 + tl.arange(0, W)
-    w = tl.load(wrow_ptr.to(tl.pointer_type(tl.int32)) + kw[None, :], mask=nmask[:, None] & (kw < K // 8)[None, :],
-                other=0)  # [BLOCK_N, W]
-    v = tl.reshape(_e2m1_word(w), (BLOCK_N, NS, 32))
-    j = k0 // 32 + tl.arange(0, NS)
-    sc = tl.load(srow_ptr[:, None] + j[None, :] * s_sk, mask=nmask[:, None] & (j < K // 32)[None, :],
-                 other=127).to(tl.int32)  # [BLOCK_N, NS]
-    sf = ((sc + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) * 2^14, a normal fp32 for every s <= 240
+    v, sf = _mx_words(wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N, BLOCK_K)
     x3 = tl.reshape(x.to(tl.float32), (1, NS, 32))
     return acc + tl.sum(x3 * v, axis=2) * sf
 
@@ -420,16 +428,8 @@ def mx_rows_mac(x, acc, wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.cons
     took 20.0 / 20.4 and 23.8 / 22.7; experiments/sass_loops.py --mxfp4); eight as one 4-d product (20.3 / 21.0, where
     a static loop over the rows took 28.3 / 41.1)."""
     BLOCK_M: tl.constexpr = x.shape[0]
-    W: tl.constexpr = BLOCK_K // 8
     NS: tl.constexpr = BLOCK_K // 32
-    kw = k0 // 8 + tl.arange(0, W)
-    w = tl.load(wrow_ptr.to(tl.pointer_type(tl.int32)) + kw[None, :], mask=nmask[:, None] & (kw < K // 8)[None, :],
-                other=0)  # [BLOCK_N, W]
-    v = tl.reshape(_e2m1_word(w), (BLOCK_N, NS, 32))
-    j = k0 // 32 + tl.arange(0, NS)
-    sc = tl.load(srow_ptr[:, None] + j[None, :] * s_sk, mask=nmask[:, None] & (j < K // 32)[None, :],
-                 other=127).to(tl.int32)  # [BLOCK_N, NS]
-    sf = ((sc + 14) << 23).to(tl.float32, bitcast=True)  # as mx_row_mac's
+    v, sf = _mx_words(wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N, BLOCK_K)
     xf = x.to(tl.float32)
     if BLOCK_M == 2:
         x0, x1 = tl.split(tl.permute(xf, (1, 0)))
