@@ -16,6 +16,7 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
+from moecg.kernels.moe_grid import work
 from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, check_block_k, check_mx_k, dequant_tile, fp8_mma,
                                  fp8_row_mac, fp8_scales_ahead, mac, mac_init, mac_sum, mx_dot, w_tile)
 from moecg.models.formats import BlockFp8, Mxfp4, fp8_input
@@ -26,33 +27,12 @@ from moecg.models.formats import BlockFp8, Mxfp4, fp8_input
 # sort or prefix-sum kernel before it; experts nobody picked exit after the scan. Weights are read once per
 # (expert, row block): the GEMM tile's rows are that expert's tokens. One-row tiles (block_m 1) run on a row grid
 # instead (assignment, column block): each program its own assignment's row, so no program of an empty row block is
-# launched; an expert with several rows reads its weights once per row.
+# launched; an expert with several rows reads its weights once per row. The grids: moecg.kernels.moe_grid.
 # Weights are addressed by strides, so one kernel covers [E, 2I, D] / [E, D, I] and HF's transposed [E, D, 2I] /
 # [E, I, D] (GPT-OSS), with gate/up as two halves or interleaved columns (j = JM*n + JG for gate column n, + JU for
 # up); biases are added after each GEMM's rounding, as HF adds them; ACT 0 is SiLU, 1 GPT-OSS's clamped SwiGLU.
 # The GEMM tiles (up_tile, down_tile) are shared with the capacity kernels (moecg.kernels.capacity), which
 # pick their rows differently.
-@triton.jit
-def _rows_for(idx_ptr, valid_ptr, e, mb, S, K: tl.constexpr, HAS_VALID: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
-    """-> (count of valid assignments to expert e, their assignment ids for rank block mb [BLOCK_M], row mask)."""
-    r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.zeros([BLOCK_M], dtype=tl.int32)
-    base = 0
-    for s0 in range(0, S, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        ids = tl.load(idx_ptr + s, mask=s < S, other=-1)
-        hit = ids == e
-        if HAS_VALID:
-            hit = hit & (tl.load(valid_ptr + s // K, mask=s < S, other=0) != 0)
-        hi = hit.to(tl.int32)
-        rank = tl.cumsum(hi, axis=0) - 1 + base
-        sel = hit[None, :] & (rank[None, :] == r[:, None])  # [BLOCK_M, BLOCK_S]
-        rows += tl.sum(tl.where(sel, s[None, :], 0), axis=1)
-        base += tl.sum(hi, axis=0)
-    return base, rows, r < base
-
-
 @triton.jit
 def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha, limit,
              dt: tl.constexpr, K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -238,81 +218,6 @@ def down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s
     return _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS), n, nm
 
 
-@triton.jit
-def _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K: tl.constexpr, HAS_VALID: tl.constexpr,
-               BLOCK_S: tl.constexpr):
-    """-> (the expert program p runs, whether it runs it). Expert grid (by_slot 0): program p is expert p. Slot
-    grid (by_slot 1, used when the S assignments are fewer than the experts, so most expert programs would only
-    exit): program p is assignment p, and runs its expert iff p is that expert's first valid assignment."""
-    e = p
-    lead = p >= 0
-    if by_slot:
-        e = tl.load(idx_ptr + p).to(tl.int32)
-        first = S
-        for s0 in range(0, S, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)
-            hit = tl.load(idx_ptr + s, mask=s < S, other=-1) == e
-            if HAS_VALID:
-                hit = hit & (tl.load(valid_ptr + s // K, mask=s < S, other=0) != 0)
-            first = tl.minimum(first, tl.min(tl.where(hit, s, S), axis=0))
-        lead = first == p
-    return e, lead
-
-
-@triton.jit
-def _block_of(idx_ptr, valid_ptr, p, S, E, K: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Block grid: program p's (expert, row block) -> (e, mb), e -1 past the last. The blocks are every expert's
-    non-empty row blocks of BLOCK_M of its valid assignments, in expert order: each program counts every expert's
-    assignments ([BLOCK_S, BLOCK_E] compares a chunk) and finds its own block in their running sum."""
-    e_run = -1
-    mb_run = 0
-    base = 0  # the blocks of the experts before this chunk
-    for e0 in range(0, E, BLOCK_E):
-        ee = e0 + tl.arange(0, BLOCK_E)
-        cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for s0 in range(0, S, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)
-            hit = tl.load(idx_ptr + s, mask=s < S, other=-1)[:, None] == ee[None, :]
-            if HAS_VALID:
-                hit = hit & (tl.load(valid_ptr + s // K, mask=s < S, other=0) != 0)[:, None]
-            cnt += tl.sum(hit.to(tl.int32), axis=0)
-        nblk = (cnt + BLOCK_M - 1) // BLOCK_M
-        incl = tl.cumsum(nblk, axis=0) + base
-        mine = (incl - nblk <= p) & (p < incl)  # at most one expert's
-        found = tl.max(mine.to(tl.int32), axis=0) > 0
-        e_run = tl.where(found, tl.sum(tl.where(mine, ee, 0), axis=0), e_run)
-        mb_run = tl.where(found, p - tl.sum(tl.where(mine, incl - nblk, 0), axis=0), mb_run)
-        base += tl.sum(nblk, axis=0)
-    return e_run, mb_run
-
-
-@triton.jit
-def _work(idx_ptr, valid_ptr, p, mb, S, by_slot, K: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_S: tl.constexpr, BY_ROW: tl.constexpr, BY_BLOCK: tl.constexpr = 0, E=0, BLOCK_E: tl.constexpr = 1):
-    """Program (p, mb)'s work -> (expert e, lead: e's first valid assignment or expert program, rows [BLOCK_M], row
-    mask, go: it has rows to run). Row grid (BY_ROW, one-row tiles, by_slot 1): its row is assignment p itself, run
-    where p is a real token's. Block grid (BY_BLOCK): the rows of its (expert, row block) (_block_of), the expert's
-    first block its lead. Else the rows of e's row block mb (_rows_for), run by the lead."""
-    if BY_BLOCK:
-        e, mbb = _block_of(idx_ptr, valid_ptr, p, S, E, K, HAS_VALID, BLOCK_M, BLOCK_S, BLOCK_E)
-        _, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mbb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
-        lead = (e >= 0) & (mbb == 0)
-        go = e >= 0  # a block holds one row at least
-    elif BY_ROW:
-        e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
-        rows = p + tl.arange(0, 1)
-        rmask = rows < S
-        if HAS_VALID:
-            rmask = rmask & (tl.load(valid_ptr + rows // K, mask=rows < S, other=0) != 0)
-        go = tl.max(rmask.to(tl.int32), axis=0) > 0
-    else:
-        e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
-        cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
-        go = lead & (cnt > mb * BLOCK_M)
-    return e, lead, rows, rmask, go
-
-
 @triton.jit(do_not_specialize=["S", "by_slot"])
 def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_ptr, mass_ptr, tok_ptr,
                    S, by_slot, D, I, s_xt, s_we, s_wj, s_wk, s_be, s_hs, alpha, limit,
@@ -324,13 +229,13 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    BY_ROW: tl.constexpr = 0, BY_BLOCK: tl.constexpr = 0, E=0, BLOCK_E: tl.constexpr = 1):
     """BY_ROW (one-row tiles, with by_slot 1): program p runs assignment p's row, each real one, so no program of a
     row block holds nothing; the expert's first assignment (lead) still keeps its counters. BY_BLOCK: program p runs
-    the p-th non-empty (expert, row block) of the E experts (_block_of); the expert's first block keeps them."""
+    the p-th non-empty (expert, row block) of the E experts; the expert's first block keeps them (moe_grid.work)."""
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
-    e, lead, rows, rmask, go = _work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S, BY_ROW,
-                                     BY_BLOCK, E, BLOCK_E)
+    e, lead, rows, rmask, go = work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S, BY_ROW,
+                                    BY_BLOCK, E, BLOCK_E)
     if COUNT:
         if (mb == 0) & (nb == 0):  # this expert's counters belong to this program alone: no atomics
             if lead:
@@ -386,8 +291,8 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
     ks = tl.program_id(2) % SPLIT
     PRE: tl.constexpr = PRELOAD and (BLOCK_M == 1) and not MX  # measured: the batch-1 tiles gain, FP8 tl.dot ones lose
     if PRE:
-        e, lead, rows, rmask, go = _work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S,
-                                         BY_ROW, BY_BLOCK, E, BLOCK_E)
+        e, lead, rows, rmask, go = work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S,
+                                        BY_ROW, BY_BLOCK, E, BLOCK_E)
         n0 = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         n_run = tl.where(go, D, 0)  # rows to load: none where the program will not run
         k_lo0 = ks * k_chunk  # unsplit: ks 0 and k_chunk I
@@ -413,8 +318,8 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                 tl.store(y_ptr + (tt * K + k)[:, None] * s_ys + nz[None, :],
                          tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=pad[:, None] & (nz < D)[None, :])
     if not PRE:
-        e, lead, rows, rmask, go = _work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S,
-                                         BY_ROW, BY_BLOCK, E, BLOCK_E)
+        e, lead, rows, rmask, go = work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S,
+                                        BY_ROW, BY_BLOCK, E, BLOCK_E)
         w0 = rmask  # unused
     if go:
         dt = h_ptr.dtype.element_ty
