@@ -10,7 +10,7 @@ Variants (names: `+`-joined switches on top of `base`):
            projection on cuBLAS (tiles.GEMV_RULES empty)
   slot     the MoE kernels on grid="auto": one-row tiles on a program per assignment, each its own row; other tiles
            on a program per assignment when assignments < experts, the expert's first running it; grid=G: moe_experts'
-           grid G (expert, slot, row, block, auto) whatever slot says
+           grid G (expert, slot, row, auto) whatever slot says
   splitN   the down GEMM split N ways over I (MoeTiles.down_split), partials added once in order, in the kernel
   overlap  the shared expert (silu-mul + down GEMM) on a second stream beside the routed experts
   router   residual add + norm + router GEMV + top-k as one kernel where the router is its own linear
@@ -94,7 +94,7 @@ def parse_variant(name: str) -> dict:
         elif p.split(".")[0] in ("g", "gn") and "=" in p and p.split(".")[-1].split("=")[0] in GEMV_FIELDS:
             key = "gemv_tiles" if p.startswith("g.") else "gemv_new"  # e.g. g.rows=1, gn.rows=1
             v.setdefault(key, {})[p.split(".")[-1].split("=")[0]] = int(p.split("=")[1])
-        elif p in ("grid=expert", "grid=slot", "grid=row", "grid=block", "grid=auto"):  # moe_experts' grid
+        elif p in ("grid=expert", "grid=slot", "grid=row", "grid=auto"):  # moe_experts' grid
             v["grid"] = p[5:]
         elif p == "rt=0":  # the fp32 router on cuBLAS (F.linear) instead of the Triton GEMV
             v["rt"] = None

@@ -14,6 +14,9 @@ GPT-OSS-120B's experts: --hidden 2880 --inter 2880 --experts 128 --top-k 4.
 --activations fp8_dynamic: the block-FP8 weights take quantized inputs (W8A8: each kernel's A8 path, K steps of 128
 on the tensor cores, x quantized once outside the timing as the step's producers do), over a grid of its own (column
 tiles, stages, warps, split-K for the GEMVs); --ops picks rows.
+--cublas (with fp8_dynamic): the GEMV rows also time cuBLAS's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm,
+1x128 input scales by 128x128 weight scales, the same e4m3 values and scales; bf16 out). --table-only: the GEMVs at
+the table's tiles only (no grid).
 """
 from __future__ import annotations
 
@@ -67,6 +70,16 @@ QUANTIZERS = {"fp8_block": lambda w, parts: quantize_stacked(w, parts, BF),
               "mxfp4": lambda w, parts: Mxfp4(*mx_quantize(w), BF)}
 
 
+def cublas_block_fp8(xq, xs, w):
+    """cuBLAS's block-scaled FP8 GEMM on act_quant'ed rows (xq [T, K] e4m3, xs [T, K / 128] fp32, M-major: a
+    transposed contiguous [K / 128, T], as a producer would write them for it) and a block-FP8 weight (w.q [N, K],
+    w.scale [N / 128, K / 128]; cuBLAS reads both transposed) -> [T, N] bf16."""
+    from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
+
+    return scaled_mm(xq, w.q.t(), xs, ScalingType.BlockWise1x128, w.scale.t(), ScalingType.BlockWise128x128,
+                     swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE, output_dtype=BF)
+
+
 def act_fn(activations: str):
     """A quantized weight set as the kernels take it with these activations (BlockFp8.act; mxfp4 has no A8 path)."""
     return lambda w: dataclasses.replace(w, act=activations) if isinstance(w, BlockFp8) else w
@@ -88,9 +101,14 @@ def main(argv=None):
     ap.add_argument("--ops", nargs="+", default=["moe_experts", "capacity_experts", "qkv", "o"],
                     choices=["moe_experts", "capacity_experts", "qkv", "o"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8])
-    ap.add_argument("--table-only", action="store_true", help="the capacity kernels at the two table choices only")
+    ap.add_argument("--table-only", action="store_true",
+                    help="the capacity kernels at the two table choices only, the GEMVs at the table's tiles only")
+    ap.add_argument("--cublas", action="store_true", help="with fp8_dynamic: cuBLAS's block-scaled FP8 GEMM rows too")
     ap.add_argument("--stages", nargs="+", type=int, default=None,
                     help="the GEMV grid's pipeline stages (default 3 4; with fp8_dynamic 3 4 6)")
+    ap.add_argument("--rows", nargs="+", type=int, default=[16],
+                    help="the GEMV grid's rows a program on the tensor cores (block-FP8: up to 64)")
+    ap.add_argument("--block-n", nargs="+", type=int, default=None, help="the GEMV grid's column blocks")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -140,6 +158,8 @@ def main(argv=None):
         for fmt, sets, tile_set in cases(full, quant, t0, variants, fma) if "moe_experts" in args.ops else ():
             gb = nbytes(sets[0][0], hit) + nbytes(sets[0][1], hit)
             for t in tile_set:
+                if fmt == "mxfp4" and 1 < t.block_m < 16:  # no kernel: mxfp4 runs one row or tl.dot_scaled's 16+
+                    continue
                 t = MoeTiles(**{**t.__dict__, "down_split": t0.down_split})
                 fns = [lambda gu=gu, dn=dn, t=t: tri.moe_experts(x, idx, w, gu, dn, tiles=t) for gu, dn in sets]
                 us, err = time_us(fns), None
@@ -155,6 +175,8 @@ def main(argv=None):
                 table = capacity_tiles(cap, D, I, E, "full" if fmt == "bf16" else fmt)
                 grid = tile_set if T == 8 and not args.table_only else []
                 for t in dict.fromkeys([table, t0, *grid]):
+                    if fmt == "mxfp4" and 1 < t.block_m < 16:
+                        continue
                     fns = [lambda gu=gu, dn=dn, t=t: tri.capacity_experts(x, idx, w, gu, dn, capacity_factor=1.25,
                                                                           tiles=t) for gu, dn in sets[:3]]
                     note = " ".join(n for n, c in ((f"[table at C {cap}]", t == table), ("[bf16 rule at T]", t == t0))
@@ -167,14 +189,19 @@ def main(argv=None):
     for name, N, Kd in () if args.skip_gemv or "fp8_block" not in args.formats else gemvs:
         ws = [torch.randn(N, Kd, device="cuda", generator=g).to(BF) * 0.02 for _ in range(C * 4)]
         qs = [act(quantize_stacked(wi.float(), 1, BF)) for wi in ws]
-        grid = [GemvTiles(bn, bk, wp, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for wp in (4, 8)
-                for st in args.stages or (3, 4)]
+        bns = args.block_n or (16, 32, 64, 128)
+        grid = [GemvTiles(bn, bk, wp, st, rows=r) for bn in bns if bn <= 64 for bk in (128, 256, 512) for wp in (4, 8)
+                for st in args.stages or (3, 4) for r in args.rows]
         if args.activations != "full":  # the A8 tensor-core K step is 128 whatever block_k says: columns, stages, split-K
-            grid = [GemvTiles(bn, 128, wp, st, split_k=sk) for bn, wp in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))
-                    for st in args.stages or (3, 4, 6) for sk in ((1, 2, 4) if name == "o" and bn <= 64 else (1,))]
+            grid = [GemvTiles(bn, 128, wp, st, split_k=sk, rows=r)
+                    for bn, wp in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8)) if bn in bns
+                    for st in args.stages or (3, 4, 6) for sk in ((1, 2, 4) if name == "o" and bn <= 64 else (1,))
+                    for r in args.rows]
         # one row a program, its products on the CUDA cores (batch 1): an accumulator of block_n x block_k fp32
         fma = [GemvTiles(bn, bk, wp, st, rows=1) for bn, bk in ((8, 256), (16, 256), (8, 512), (16, 512), (32, 128),
                                                                 (4, 1024)) for wp in (4, 8) for st in (3, 4)]
+        if args.table_only:
+            grid, fma = [None], []
         for T in args.tokens:
             x = torch.randn(T, Kd, device="cuda", generator=g).to(BF)
             row(name, T, "bf16", "ops.linear", time_us([lambda wi=wi: tri.linear(x, wi) for wi in ws]), nbytes(ws[0]))
@@ -184,16 +211,25 @@ def main(argv=None):
             # A8 on the tensor cores: x quantized once here, as the step's producers do (not timed); CUDA-core tiles
             # quantize their rows themselves
             xq = quantize_rows(x) if args.activations != "full" and T > 2 else None
-            for t in (grid if T > 2 or args.activations == "full" else []) + (fma if T <= 2 else []):
+            tiles = grid if T > 2 or args.activations == "full" or args.table_only else []
+            for t in tiles + (fma if T <= 2 else []):
                 # split-K: the fp32 partial rows (the consumer, add_rmsnorm / norm_route, adds them), summed here
-                op = tri.linear_partials if t.split_k > 1 else tri.linear
+                op = tri.linear_partials if t is not None and t.split_k > 1 else tri.linear
                 fns = [lambda wi=wi, t=t, op=op: op(x, wi, tiles=t, xq=xq) for wi in qs]
                 us, err = time_us(fns), None
                 if us == us:
                     out = fns[0]()
-                    out = out.sum(1).to(BF) if t.split_k > 1 else out
+                    out = out.sum(1).to(BF) if t is not None and t.split_k > 1 else out
                     err = float((out - ref.linear(x, qs[0])).abs().max())
-                row(name, T, "fp8_block", t, us, nbytes(qs[0]), err)
+                row(name, T, "fp8_block", t or "table", us, nbytes(qs[0]), err)
+            if args.cublas and args.activations != "full":
+                xq8, xs = quantize_rows(x)
+                xs = xs.t().contiguous().t()  # M-major (cublas_block_fp8)
+                fns = [lambda wi=wi: cublas_block_fp8(xq8, xs, wi) for wi in qs]
+                us, err = time_us(fns), None
+                if us == us:
+                    err = float((fns[0]() - ref.linear(x, qs[0])).abs().max())
+                row(name, T, "fp8_block", "cuBLAS scaled_mm (1x128 x 128x128)", us, nbytes(qs[0]), err)
     lines = [f"Quantized GEMM kernels, {env_fields()['device_name']}: D {D}, I {I}, E {E}, K {K}; qkv {args.qkv} x {D}, "
              f"o {D} x {args.o_in}; {C} weight sets cycled per graph; activations {args.activations}", "",
              "| op | T | weights | tiles | us | GB/s | max abs err vs reference |", "|---|---|---|---|---|---|---|"]

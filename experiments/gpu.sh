@@ -187,18 +187,6 @@ suite_row_grid() {  # mxfp4 experts on one-row tiles (row grid) against tl.dot_s
       $D_STEP+$T32 $D_STEP+$DOT
   done
 }
-suite_mx_rows() {  # mxfp4 rows sharing a decode (block_m 2-8 on the CUDA cores) on the slot / expert grids and the block grid against the table, GPT-OSS 12 layers at bs 16-64, where experts hold 2 rows and more
-  bench mx_rows
-  local m bm v=""
-  for bm in 2 4 8; do
-    v="$v $D_STEP+block_m=$bm+up_n=16+down_n=16+up_k=256+down_k=512+stages=3 $D_STEP+block_m=$bm+up_n=32+down_n=64"
-    v="$v $D_STEP+grid=block+block_m=$bm+up_n=16+down_n=16+up_k=256+down_k=512+stages=3"  # no empty row blocks
-  done
-  v="$v $D_STEP+grid=block"  # tl.dot_scaled's 16-row tiles on the block grid
-  for m in gpt_oss_20b gpt_oss_120b; do
-    variant "$m" "$m" 12 --weights mxfp4 --batch 16 32 64 --repeats 3 --variants $D_STEP $v
-  done
-}
 suite_capacity_tiles() {  # the capacity kernels alone at the table's tiles for C against the bf16 rule for T; GPT-OSS-120B (mxfp4, 12 layers) and GLM-4.5-Air (fp8_block, 8 layers) capacity steps
   bench capacity_tiles
   local k="python3 experiments/bench_weights_kernels.py --skip-gemv --ops capacity_experts --table-only --copies 3"

@@ -106,12 +106,11 @@ MX_KEEP = ("FFMA", "FMUL", "HADD2", "LOP3", "IMAD", "SHF", "PRMT", "HMUL2", "HMM
 def mx_kernels():
     """(name, Triton kernel, constexprs, stages, weights a thread takes a loop iteration) of the mxfp4 rows: GPT-OSS's
     experts (interleaved clamped SwiGLU, biases), 16 output columns x 256-wide K steps, one row a program on the CUDA
-    cores (quant.mx_row_mac), 2-8 rows sharing a decode (quant.mx_rows_mac) and 16 rows on tl.dot_scaled."""
-    for bm in (1, 2, 4, 8, 16):
+    cores (quant.mx_row_mac) and 16 rows on tl.dot_scaled."""
+    for bm in (1, 16):
         c = dict(K=4, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=256, BLOCK_S=64, USE_PDL=2, QROWS=0, A8=0, MX=1,
                  s_wk=1, s_sk=1, HAS_VALID=False)
-        how = ("one row, CUDA cores" if bm == 1 else "16 rows, tl.dot_scaled" if bm == 16 else
-               f"{bm} rows sharing a decode, CUDA cores")
+        how = "one row, CUDA cores" if bm == 1 else "16 rows, tl.dot_scaled"
         yield (f"MoE up, 16 gate + 16 up columns x 256, {how}", moe._moe_up_kernel,
                dict(c, COUNT=False, JM=2, JU=1, ACT=1, PAIRED=0), 3, 2 * 16 * 256 // 128)
         yield f"MoE down, 16 columns x 256, {how}", moe._moe_down_kernel, dict(c, SPLIT=1, PRELOAD=1), 3, 16 * 256 // 128

@@ -50,9 +50,12 @@ for T, N, K, parts, bias in ((1, 300, 200, 1, False), (21, 128, 160, 2, False), 
     want = ref.linear(x, wa, b)
     close(tri.linear(x, wa, b), want, 1e-4)
     differs(want, ref.linear(x, w8, b))
-    for tiles in (GemvTiles(32, 64, 4, 2), GemvTiles(16, 512), GemvTiles(4, 256, rows=1), GemvTiles(32, 256, rows=2)):
+    # 32 and 64 rows a program (block-FP8 up to 64: one pass over the weights)
+    for tiles in (GemvTiles(32, 64, 4, 2), GemvTiles(16, 512), GemvTiles(4, 256, rows=1), GemvTiles(32, 256, rows=2),
+                  GemvTiles(32, 128, 4, 3, rows=32), GemvTiles(16, 128, 4, 3, rows=64)):
         close(tri.linear(x, wa, b, tiles=tiles), want, 1e-4)
-    for tiles in (GemvTiles(16, 64, 4, 2, split_k=4), GemvTiles(16, 128, rows=1, split_k=2)):
+    for tiles in (GemvTiles(16, 64, 4, 2, split_k=4), GemvTiles(16, 128, rows=1, split_k=2),
+                  GemvTiles(32, 128, 4, 3, split_k=2, rows=32)):
         close(tri.linear_partials(x, wa, b, tiles=tiles).sum(1), want, 1e-4)
 
 

@@ -4,9 +4,10 @@ reference-dequantized weights (it dequantizes in registers as the reference does
 match the PyTorch dequantize-then-matmul reference within 1e-4: the GEMV (any T, bias, scale groups of 128 and of
 fewer rows), the dropless MoE kernels (expert and slot grids, split-K down, pad rows, counters) and the capacity
 kernels; the same MoE and capacity kernels on mxfp4 experts (K steps of one and of several 32-column scale groups,
-a ragged last one), the products of both on the CUDA cores (fewer than 16 rows a program) in every format, GPT-OSS's experts arithmetic on bf16 activations at several output tilings (the same bits; one row a program
-on the CUDA cores within bf16 rounding) and
-GPT-OSS's transposed, biased, interleaved experts in mxfp4 through the whole fused step.
+a ragged last one), the products of both on the CUDA cores (fewer than 16 rows a program) in every format (mxfp4: one
+row a program, 2-15 refused), GPT-OSS's experts arithmetic on bf16 activations at several output tilings (the same
+bits; one row a program on the CUDA cores within bf16 rounding) and GPT-OSS's transposed, biased, interleaved
+experts in mxfp4 through the whole fused step.
 Prints ALL OK when every check passes; any mismatch raises.
 Dims: T tokens, K top-k, E experts, D hidden, I expert intermediate, N/K a projection's.
 """
@@ -42,9 +43,11 @@ for T, N, K, parts, bias in ((1, 300, 200, 1, False), (5, 384, 256, 1, True), (2
     got = tri.linear(x, wq, b)
     close(got, ref.linear(x, wq, b), 1e-4)
     # K steps inside one scale column and across two and four of them
-    for tiles in (GemvTiles(64, 128, 4, 3), GemvTiles(32, 64, 4, 2), GemvTiles(16, 512)):
+    # 32 and 64 rows a program (block-FP8 only: one pass over the weights up to 64 rows)
+    for tiles in (GemvTiles(64, 128, 4, 3), GemvTiles(32, 64, 4, 2), GemvTiles(16, 512),
+                  GemvTiles(32, 256, 4, 3, rows=32), GemvTiles(16, 128, 4, 3, rows=64)):
         out = tri.linear(x, wq, b, tiles=tiles)
-        if T <= 16:  # the same tiles on the dequantized weight: the same bits
+        if T <= 16 and tiles.rows == 16:  # the same tiles on the dequantized weight: the same bits
             assert torch.equal(out, tri.linear(x, wq.dense(), b, tiles=tiles)), (T, N, K, tiles)
         close(out, got, 1e-4)
     # split-K partial rows (ranges of whole 128-column scale blocks): the same products as the unsplit GEMV, summed
@@ -106,6 +109,16 @@ mgu, mdn = (Mxfp4(*mx_quantize(t), torch.float32) for t in (torch.randn(E, 2 * I
 
 def _core_moe_checks(x, idx, w, valid, grid, tiles):
     for gu, dn in ((gate_up, down), (gate_up.dense(), down.dense()), (mgu, mdn)):
+        if gu is mgu and tiles.block_m > 1:  # mxfp4 takes one row a program or 16 and more: refused before a launch
+            for op in (lambda: tri.moe_experts(x, idx, w, gu, dn, valid, tiles=tiles, grid=grid),
+                       lambda: tri.capacity_experts(x, idx, w, gu, dn, capacity_factor=1.0, tiles=tiles)):
+                try:
+                    op()
+                except ValueError as e:
+                    assert "block_m" in str(e), e
+                else:
+                    raise AssertionError(f"mxfp4 at {tiles} ran")
+            continue
         st1, c1 = counters(E)
         st2, c2 = counters(E)
         got = tri.moe_experts(x, idx, w, gu, dn, valid, c1, tiles=tiles, grid=grid)
@@ -124,16 +137,6 @@ for T, K, grid, bm, valid in ((1, 2, "slot", 1, None), (4, 2, "expert", 2, torch
     for tiles in (MoeTiles(block_m=bm, up_n=32, up_k=128, down_n=16, down_k=64, down_split=2),
                   MoeTiles(block_m=bm, up_n=64, up_k=256, down_n=16, down_k=256)):
         _core_moe_checks(x, idx, w, valid, grid, tiles)
-# mxfp4 rows sharing one decode on the CUDA cores (quant.mx_rows_mac: 2 and 4 rows split apart, 8 as one 4-d
-# product), K steps ending inside D and I, the capacity kernels too
-x = torch.randn(9, D)
-idx = torch.stack([torch.randperm(E)[:3] for _ in range(9)])
-w = torch.rand(9, 3)
-for bm in (4, 8):
-    tiles = MoeTiles(block_m=bm, up_n=16, up_k=256, down_n=32, down_k=64)
-    close(tri.moe_experts(x, idx, w, mgu, mdn, tiles=tiles), ref.moe_experts(x, idx, w, mgu, mdn), 1e-4)
-    close(tri.capacity_experts(x, idx, w, mgu, mdn, capacity_factor=1.0, tiles=tiles),
-          ref.capacity_experts(x, idx, w, mgu, mdn, capacity_factor=1.0), 1e-4)
 # the row grid (one-row tiles, which grid "auto" runs on it: a program per assignment, each its own row): the slot
 # grid's bits (the same products per row), pad rows zero, the same counters; block-FP8 (split-K down) and mxfp4
 g = torch.Generator().manual_seed(1)  # its own: the checks below keep the random draws they were written with
@@ -232,11 +235,9 @@ for T in (1, 3):
                   MoeTiles(up_k=256, down_k=256, stages=3)):
         within_an_ulp(tri.moe_experts(x, idx, w, gate_up16, down16, tiles=tiles, **kw), base)
     # one row a program on the CUDA cores (int32 words of 8 codes, each scale group's sum scaled once: the sums in
-    # another order), K steps of one and of eight scale groups, the down GEMM split over I; 2 and 4 rows a program
+    # another order), K steps of one and of eight scale groups, the down GEMM split over I
     for tiles in (MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256, warps=2),
-                  MoeTiles(block_m=1, up_n=32, up_k=32, down_n=64, down_k=64, down_split=3),
-                  MoeTiles(block_m=2, up_n=16, up_k=256, down_n=16, down_k=256),  # rows sharing a decode
-                  MoeTiles(block_m=4, up_n=16, up_k=64, down_n=32, down_k=128)):
+                  MoeTiles(block_m=1, up_n=32, up_k=32, down_n=64, down_k=64, down_split=3)):
         close(tri.moe_experts(x, idx, w, gate_up16, down16, tiles=tiles, **kw), base,
               1e-2 * float(base.float().abs().max()))
 model = build_model("gpt_oss_tiny", dtype="fp32", device="cpu", seed=4, weights="mxfp4").model

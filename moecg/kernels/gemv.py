@@ -144,6 +144,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
 
 
 GEMV_MAX_T = 16  # rows one program's tl.dot block holds
+FP8_MAX_ROWS = 64  # the block-FP8 GEMV's (any T): up to 64 rows a program, so up to 64 rows read the weights once
+
+
+def _rows(t, fp8: bool) -> int:
+    """Rows of x one program takes (grid dim 2 runs ceil(T / rows) of them, each reading every weight again)."""
+    return min(t.rows, FP8_MAX_ROWS if fp8 else GEMV_MAX_T)
 
 
 @dry_zeros
@@ -210,7 +216,7 @@ def linear_partials(x, w, bias=None, tiles=None, xq=None):
     if t is None or t.split_k <= 1 or (not fp8 and (T > GEMV_MAX_T or w.stride(1) != 1)) or x.stride(1) != 1 \
             or (bias is not None and bias.stride(0) != 1):
         return linear(x, w, bias, tiles, xq)[:, None]
-    rows = min(t.rows, GEMV_MAX_T)
+    rows = _rows(t, fp8)
     bk = _fp8_k(t.block_k, w, rows) if fp8 else t.block_k
     kper = triton.cdiv(triton.cdiv(K, t.split_k), bk) * bk  # a whole number of K steps (and of 128-column scales)
     S = triton.cdiv(K, kper)
@@ -242,7 +248,7 @@ def _linear_fp8(x, w, bias, tiles, xq=None):
     assert x.stride(1) == 1 and w.q.stride(1) == 1 and (bias is None or bias.stride(0) == 1)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     s = w.scale
-    rows = min(t.rows, GEMV_MAX_T)
+    rows = _rows(t, True)
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, rows)), x, w.q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), w.q.stride(0), y.stride(0),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=_fp8_k(t.block_k, w, rows),

@@ -226,16 +226,14 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                    USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
                    PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0,
-                   BY_ROW: tl.constexpr = 0, BY_BLOCK: tl.constexpr = 0, E=0, BLOCK_E: tl.constexpr = 1):
+                   BY_ROW: tl.constexpr = 0):
     """BY_ROW (one-row tiles, with by_slot 1): program p runs assignment p's row, each real one, so no program of a
-    row block holds nothing; the expert's first assignment (lead) still keeps its counters. BY_BLOCK: program p runs
-    the p-th non-empty (expert, row block) of the E experts; the expert's first block keeps them (moe_grid.work)."""
+    row block holds nothing; the expert's first assignment (lead) still keeps its counters (moe_grid.work)."""
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
-    e, lead, rows, rmask, go = work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S, BY_ROW,
-                                    BY_BLOCK, E, BLOCK_E)
+    e, lead, rows, rmask, go = work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S, BY_ROW)
     if COUNT:
         if (mb == 0) & (nb == 0):  # this expert's counters belong to this program alone: no atomics
             if lead:
@@ -273,8 +271,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk,
                      QROWS: tl.constexpr, MX: tl.constexpr, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
-                     q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, BY_ROW: tl.constexpr = 0, BY_BLOCK: tl.constexpr = 0,
-                     E=0, BLOCK_E: tl.constexpr = 1):
+                     q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, BY_ROW: tl.constexpr = 0):
     """SPLIT > 1 (split-K over I, for batch-1 steps whose column blocks alone are too few programs): each of a
     tile's SPLIT programs stores its fp32 partial sum, and the last to finish (a per-tile counter) adds the
     partials in split order, so the result is deterministic and rounded once, as without splits; it then
@@ -283,8 +280,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
     Its predecessor is the up kernel, which writes h only: the routing it reads (idx, and valid, written before the
     step) comes from the router kernel, complete before the up kernel's programs passed their own wait and let this
     kernel launch.
-    BY_ROW: as the up kernel's; a pad row's programs write its zeros. BY_BLOCK: as the up kernel's; program p writes
-    the zeros of token block p's pad rows."""
+    BY_ROW: as the up kernel's; a pad row's programs write its zeros."""
     p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2) // SPLIT
@@ -292,7 +288,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
     PRE: tl.constexpr = PRELOAD and (BLOCK_M == 1) and not MX  # measured: the batch-1 tiles gain, FP8 tl.dot ones lose
     if PRE:
         e, lead, rows, rmask, go = work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S,
-                                        BY_ROW, BY_BLOCK, E, BLOCK_E)
+                                        BY_ROW)
         n0 = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         n_run = tl.where(go, D, 0)  # rows to load: none where the program will not run
         k_lo0 = ks * k_chunk  # unsplit: ks 0 and k_chunk I
@@ -306,12 +302,9 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
             nz = nb * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(y_ptr + rp[:, None] * s_ys + nz[None, :], tl.zeros([1, BLOCK_N], dtype=tl.float32),
                      mask=pad[:, None] & (nz < D)[None, :])
-    elif HAS_VALID:  # the same, program 0 of each tile column (block grid: program p, token block p)
-        blk = mb
-        if BY_BLOCK:
-            blk = p
-        if ((p == 0) | (BY_BLOCK != 0)) & (ks == 0):
-            tt = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    elif HAS_VALID:  # the same, program 0 of each tile column
+        if (p == 0) & (ks == 0):
+            tt = mb * BLOCK_M + tl.arange(0, BLOCK_M)
             pad = (tt < S // K) & (tl.load(valid_ptr + tt, mask=tt < S // K, other=1) == 0)
             nz = nb * BLOCK_N + tl.arange(0, BLOCK_N)
             for k in tl.static_range(K):
@@ -319,7 +312,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                          tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=pad[:, None] & (nz < D)[None, :])
     if not PRE:
         e, lead, rows, rmask, go = work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S,
-                                        BY_ROW, BY_BLOCK, E, BLOCK_E)
+                                        BY_ROW)
         w0 = rmask  # unused
     if go:
         dt = h_ptr.dtype.element_ty
@@ -412,6 +405,14 @@ class ExpertArgs:
         assert down_bias is None or down_bias.stride(1) == 1
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
 
+    def check_rows(self, block_m: int) -> None:
+        """Refuses, before any launch, tiles the experts' format has no product for: mxfp4 takes one row a program
+        on the CUDA cores (quant.mx_row_mac) or 16 rows and more on tl.dot_scaled (2-8 rows sharing one decode were
+        measured slower than the table's tiles and removed: experiments/results/mx_rows/)."""
+        if self.weights == "mxfp4" and 1 < block_m < 16:
+            raise ValueError(f"mxfp4 experts: MoeTiles.block_m={block_m} has no kernel; use block_m=1 (one row a "
+                             "program, on the CUDA cores) or block_m>=16 (tl.dot_scaled)")
+
     def paired(self, tiles) -> int:
         """up_tile's PAIRED: interleaved gate/up read as one tile where the tiles say so (MoeTiles.paired); unquantized
         weights only (mxfp4's packed rows load contiguously either way; block-FP8 has no interleaved family)."""
@@ -424,11 +425,10 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles). xq: x's act_quant
     from its producer, which experts taking fp8_dynamic inputs read instead of quantizing x (quant.a8_inputs).
     grid: "expert" (a program per expert), "slot" (a program per assignment, the expert's first one runs it), "row"
-    (one-row tiles, MoeTiles.block_m 1: a program per assignment, each running its own row), "block" (a program per
-    non-empty (expert, row block), found by each program from every expert's count: no empty row blocks at any
-    block_m; no table choice takes it yet) or "auto": row on one-row tiles, else slot when the assignments are fewer
-    than the experts (decode at small batches), else expert. On the expert and slot grids an expert gets T / block_m
-    row blocks, most of them empty programs where block_m is small."""
+    (one-row tiles, MoeTiles.block_m 1: a program per assignment, each running its own row) or "auto": row on one-row
+    tiles, else slot when the assignments are fewer than the experts (decode at small batches), else expert. On the
+    expert and slot grids one-row tiles give an expert T row blocks, most of them empty programs. mxfp4 experts run
+    one row a program (block_m 1) or 16 and more (ExpertArgs.check_rows)."""
     T, K = idx.shape
     D = x.shape[1]
     a = ExpertArgs(gate_up, down, spec, gate_up_bias, down_bias)
@@ -436,22 +436,18 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     E, inter = a.num_experts, a.inter
     S = T * K
     assert x.stride(1) == 1 and idx.is_contiguous()
-    if grid not in ("auto", "expert", "slot", "row", "block"):
-        raise ValueError(f"grid={grid!r}: choose auto, expert, slot, row or block")
+    if grid not in ("auto", "expert", "slot", "row"):
+        raise ValueError(f"grid={grid!r}: choose auto, expert, slot or row")
     t = tiles or _tiles.moe_tiles(T, D, inter, E, a.weights)
+    a.check_rows(t.block_m)
     split = t.down_split if down_bias is None else 1  # a biased down projection keeps one pass (bias before round)
     bm = t.block_m
-    by_block = grid == "block"
     by_row = grid == "row" or (grid == "auto" and bm == 1)
     if by_row and bm != 1:
         raise ValueError(f"grid='row' runs one-row tiles (MoeTiles.block_m 1), not block_m {bm}")
     by_slot = by_row or grid == "slot" or (grid == "auto" and S < E)
-    if by_block:  # the non-empty (expert, row block) pairs are at most S // bm + the experts hit, and at most S
-        P = max(min(S, S // bm + min(E, S)), triton.cdiv(T, bm))  # and one a token block (their pad rows' zeros)
-    else:
-        P = S if by_slot else E
-    m_blocks = 1 if by_row or by_block else triton.cdiv(T, bm)  # an expert gets at most one assignment per token
-    grid_args = dict(BY_ROW=int(by_row), BY_BLOCK=int(by_block), E=E, BLOCK_E=min(triton.next_power_of_2(E), 128))
+    P = S if by_slot else E
+    m_blocks = 1 if by_row else triton.cdiv(T, bm)  # an expert gets at most one assignment per token
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)  # pad rows: zeroed by the down kernel
     wc = w.contiguous()
@@ -465,7 +461,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale, bm), BLOCK_S=64, num_warps=t.warps,
         num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], bm, xq),
-        **pdl_args(x.device, t.pdl_trigger), **grid_args)
+        **pdl_args(x.device, t.pdl_trigger), BY_ROW=int(by_row))
     n_blocks = triton.cdiv(D, t.down_n)
     down_k = quant_k(t.down_k, a.down_scale, bm)
     if split > 1:
@@ -481,5 +477,5 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
         HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=down_k, BLOCK_S=64,
         num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale["A8"], bm),
-        **pdl_args(x.device, t.pdl_trigger, preload=True), **grid_args)
+        **pdl_args(x.device, t.pdl_trigger, preload=True), BY_ROW=int(by_row))
     return y

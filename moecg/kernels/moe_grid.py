@@ -3,8 +3,7 @@ device from the step's [S] expert ids (S = T*K assignments, K top-k), with no so
   expert grid  program p is expert p; its row blocks mb of BLOCK_M of the expert's assignments (_rows_for);
   slot grid    program p is assignment p; its expert's row blocks, run by the expert's first valid assignment
                (_expert_of), when the assignments are fewer than the experts;
-  row grid     program p is assignment p and runs its own row (one-row tiles, MoeTiles.block_m 1);
-  block grid   program p runs the p-th non-empty (expert, row block), found from every expert's count (_block_of).
+  row grid     program p is assignment p and runs its own row (one-row tiles, MoeTiles.block_m 1).
 A row's K ids are distinct experts (as every top-k router gives them): an expert's row blocks are sized by the tokens.
 """
 from __future__ import annotations
@@ -56,46 +55,12 @@ def _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K: tl.constexpr, HAS_VALID: tl
 
 
 @triton.jit
-def _block_of(idx_ptr, valid_ptr, p, S, E, K: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Block grid: program p's (expert, row block) -> (e, mb), e -1 past the last. The blocks are every expert's
-    non-empty row blocks of BLOCK_M of its valid assignments, in expert order: each program counts every expert's
-    assignments ([BLOCK_S, BLOCK_E] compares a chunk) and finds its own block in their running sum."""
-    e_run = -1
-    mb_run = 0
-    base = 0  # the blocks of the experts before this chunk
-    for e0 in range(0, E, BLOCK_E):
-        ee = e0 + tl.arange(0, BLOCK_E)
-        cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for s0 in range(0, S, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)
-            hit = tl.load(idx_ptr + s, mask=s < S, other=-1)[:, None] == ee[None, :]
-            if HAS_VALID:
-                hit = hit & (tl.load(valid_ptr + s // K, mask=s < S, other=0) != 0)[:, None]
-            cnt += tl.sum(hit.to(tl.int32), axis=0)
-        nblk = (cnt + BLOCK_M - 1) // BLOCK_M
-        incl = tl.cumsum(nblk, axis=0) + base
-        mine = (incl - nblk <= p) & (p < incl)  # at most one expert's
-        found = tl.max(mine.to(tl.int32), axis=0) > 0
-        e_run = tl.where(found, tl.sum(tl.where(mine, ee, 0), axis=0), e_run)
-        mb_run = tl.where(found, p - tl.sum(tl.where(mine, incl - nblk, 0), axis=0), mb_run)
-        base += tl.sum(nblk, axis=0)
-    return e_run, mb_run
-
-
-@triton.jit
 def work(idx_ptr, valid_ptr, p, mb, S, by_slot, K: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_S: tl.constexpr, BY_ROW: tl.constexpr, BY_BLOCK: tl.constexpr = 0, E=0, BLOCK_E: tl.constexpr = 1):
+          BLOCK_S: tl.constexpr, BY_ROW: tl.constexpr):
     """Program (p, mb)'s work -> (expert e, lead: e's first valid assignment or expert program, rows [BLOCK_M], row
     mask, go: it has rows to run). Row grid (BY_ROW, one-row tiles, by_slot 1): its row is assignment p itself, run
-    where p is a real token's. Block grid (BY_BLOCK): the rows of its (expert, row block) (_block_of), the expert's
-    first block its lead. Else the rows of e's row block mb (_rows_for), run by the lead."""
-    if BY_BLOCK:
-        e, mbb = _block_of(idx_ptr, valid_ptr, p, S, E, K, HAS_VALID, BLOCK_M, BLOCK_S, BLOCK_E)
-        _, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mbb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
-        lead = (e >= 0) & (mbb == 0)
-        go = e >= 0  # a block holds one row at least
-    elif BY_ROW:
+    where p is a real token's; else the rows of e's row block mb (_rows_for), run by the lead."""
+    if BY_ROW:
         e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
         rows = p + tl.arange(0, 1)
         rmask = rows < S

@@ -50,16 +50,13 @@ def mac_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
     kept apart until mac_sum, so the loop is one FMA per weight: [BLOCK_M, BLOCK_N, BLOCK_K], or with ROW (one row,
     fp8_row_mac's products) [BLOCK_N, BLOCK_K], the weight tile's own shape, so its values stay in the registers they
     were loaded into (on an H100 that layout made the bf16 one-row step 4% slower: bf16 keeps the 3-d one); mxfp4 (MX)
-    in one row: [BLOCK_N, BLOCK_K / 32], mx_row_mac's sum per 32-column scale group; in 2-8 rows [BLOCK_M, BLOCK_N,
-    BLOCK_K / 32], mx_rows_mac's."""
+    in one row: [BLOCK_N, BLOCK_K / 32], mx_row_mac's sum per 32-column scale group."""
     if DOT and A8:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     elif DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif MX and BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
-    elif MX:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
     elif ROW:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
@@ -412,42 +409,6 @@ def mx_row_mac(x, acc, wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.const
     return acc + tl.sum(x3 * v, axis=2) * sf
 
 
-@triton.jit
-def _mx_group_sums(xr, v, sf, NS: tl.constexpr):
-    """One row's products with the decoded values (xr [BLOCK_K] fp32, v [BLOCK_N, NS, 32], sf [BLOCK_N, NS]): each
-    32-column group's sum, scaled once -> [BLOCK_N, NS]."""
-    return tl.sum(tl.reshape(xr, (1, NS, 32)) * v, axis=2) * sf
-
-
-@triton.jit
-def mx_rows_mac(x, acc, wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """mx_row_mac for BLOCK_M (2, 4 or 8) rows x [BLOCK_M, BLOCK_K] sharing one decode of the weights: acc [BLOCK_M,
-    BLOCK_N, BLOCK_K / 32] (mac_init's with MX), each row's products summed per 32-column group and scaled once, as
-    mx_row_mac's. Two and four rows are taken apart by splits and their sums joined back (in sm_90 SASS 7.8 / 9.6
-    instructions a weight of the MoE up / down loops at 2 rows, 11.6 / 14.9 at 4, where a dequantized tile's products
-    took 20.0 / 20.4 and 23.8 / 22.7; experiments/sass_loops.py --mxfp4); eight as one 4-d product (20.3 / 21.0, where
-    a static loop over the rows took 28.3 / 41.1)."""
-    BLOCK_M: tl.constexpr = x.shape[0]
-    NS: tl.constexpr = BLOCK_K // 32
-    v, sf = _mx_words(wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N, BLOCK_K)
-    xf = x.to(tl.float32)
-    if BLOCK_M == 2:
-        x0, x1 = tl.split(tl.permute(xf, (1, 0)))
-        q = tl.join(_mx_group_sums(x0, v, sf, NS), _mx_group_sums(x1, v, sf, NS))  # [BLOCK_N, NS, 2]
-        out = acc + tl.permute(q, (2, 0, 1))
-    elif BLOCK_M == 4:
-        y0, y1 = tl.split(tl.permute(tl.reshape(xf, (2, 2, BLOCK_K)), (2, 0, 1)))  # [BLOCK_K, i]: rows 2i, 2i + 1
-        x0, x2 = tl.split(y0)
-        x1, x3 = tl.split(y1)
-        # [.., c, d] of the joins is row 2c + d
-        q = tl.join(tl.join(_mx_group_sums(x0, v, sf, NS), _mx_group_sums(x2, v, sf, NS)),
-                    tl.join(_mx_group_sums(x1, v, sf, NS), _mx_group_sums(x3, v, sf, NS)))
-        out = acc + tl.permute(tl.reshape(q, (BLOCK_N, NS, 4)), (2, 0, 1))
-    else:
-        out = acc + tl.sum(tl.reshape(xf, (BLOCK_M, 1, NS, 32)) * v[None, :, :, :], axis=3) * sf[None, :, :]
-    return out
-
-
 def act_k(block_k: int, rows: int) -> int:
     """An A8 GEMM's K step: 128 on the tensor cores (rows >= 16: fp8_mma scales each MMA's sum), else whole
     128-column blocks (act_q8), at least one."""
@@ -467,14 +428,12 @@ def mx_dot(x, acc, w_ptr, rows, s_wj, s_wk, s_ptr, s_sj, s_sk, k0, K, nmask, BLO
            BLOCK_K: tl.constexpr, DOT: tl.constexpr = 1):
     """acc + x [BLOCK_M, BLOCK_K] @ W[rows, k0 : k0 + BLOCK_K]^T for mxfp4 W: packed bytes at w_ptr + row * s_wj +
     (column / 2) * s_wk, scales at s_ptr + row * s_sj + (column / 32) * s_sk; rows [BLOCK_N], masked by nmask.
-    DOT 0 (acc: mac_init's with MX, one sum per row and 32-column scale group of a step): one row (BLOCK_M 1)
-    mx_row_mac's CUDA-core products, 2-8 rows mx_rows_mac's (one decode for every row)."""
+    DOT 0: one row (BLOCK_M 1) only, mx_row_mac's CUDA-core products (acc: mac_init's with MX, one sum per 32-column
+    scale group of a step); the MoE entry points refuse 2-15 rows (moe.ExpertArgs.check_rows)."""
+    tl.static_assert(DOT or x.shape[0] == 1, "mxfp4 on the CUDA cores: one row a program (MoeTiles.block_m 1)")
     if not DOT and x.shape[0] == 1:
         out = mx_row_mac(x, acc, w_ptr + rows[:, None] * s_wj, s_ptr + rows * s_sj, k0, K, s_sk, nmask, BLOCK_N,
                          BLOCK_K)
-    elif not DOT:
-        out = mx_rows_mac(x, acc, w_ptr + rows[:, None] * s_wj, s_ptr + rows * s_sj, k0, K, s_sk, nmask, BLOCK_N,
-                          BLOCK_K)
     elif x.dtype == tl.bfloat16:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         wq = tl.load(w_ptr + rows[None, :] * s_wj + kb[:, None] * s_wk,
