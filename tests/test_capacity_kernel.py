@@ -409,19 +409,24 @@ def test_kernels_compile_for_hopper():
                                          QROWS=128, A8=1), **SM90_F8)
         build(gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=bm, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=2, QROWS=128, A8=1),
               **SM90_F8)
-    from moecg.kernels.quant import act_k
-    from moecg.kernels.tiles import FP8_A8_GEMV_RULES
-    for rule in FP8_A8_GEMV_RULES:  # the A8 GEMV's own tiles (six stages): within an H100's 227 KB of shared memory,
-        # with the weight and input tiles pipelined as a launch at Qwen3-30B-A3B's shapes specialises them (the strides
-        # and sizes multiples of 16; the K strides 1)
-        t = rule.tiles
-        k = compile_sm90(gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=16, BLOCK_N=t.block_n,
-                                                 BLOCK_K=act_k(t.block_k, 16), USE_PDL=2, QROWS=128, A8=1, SPLIT=1,
-                                                 PRELOAD=1, s_wk=1, s_sk=1), t.stages,
-                         div16=SM90_DIV16, **SM90_F8)
-        assert 0 < k.metadata.shared <= 227 * 1024, (t, k.metadata.shared)
-        bufs = re.findall(rf"memdesc<(\d+)x{t.block_n}x128xf8E4M3FN", k.asm["ttgir"])  # the weight tile's ring
-        assert bufs and min(map(int, bufs)) >= 2, (t, bufs)
+    from moecg.kernels.quant import act_k, check_block_k
+    from moecg.kernels.tiles import FP8_A8_GEMV_RULES, FP8_GEMV_DEFAULT, FP8_GEMV_RULES
+    # every block-FP8 GEMV tile the table can pick, at its rows a program (up to gemv.FP8_MAX_ROWS: a 64-row program
+    # on 512-wide K steps needs 257 KB at 3 stages), within an H100's 227 KB of shared memory, with the weight and
+    # input tiles pipelined as a launch at Qwen3-30B-A3B's shapes specialises them (the strides and sizes multiples of
+    # 16; the K strides 1); the A8 GEMV's own tiles (six stages) keep a ring of at least two weight tiles
+    fp8_tiles = [(r.tiles, 1) for r in FP8_A8_GEMV_RULES] + [(r.tiles, 0) for r in FP8_GEMV_RULES] + [
+        (FP8_GEMV_DEFAULT, 0), (FP8_GEMV_DEFAULT, 1)]
+    for t, a8 in fp8_tiles:
+        rows = min(t.rows, gemv.FP8_MAX_ROWS)
+        k = compile_sm90(gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=rows, BLOCK_N=t.block_n,
+                                                 BLOCK_K=act_k(t.block_k, rows) if a8 else check_block_k(t.block_k),
+                                                 USE_PDL=2, QROWS=128, A8=a8, SPLIT=1, PRELOAD=1, s_wk=1, s_sk=1),
+                         t.stages, div16=SM90_DIV16, **SM90_F8)
+        assert 0 < k.metadata.shared <= 227 * 1024, (t, a8, k.metadata.shared)
+        if a8 and rows >= 16:
+            bufs = re.findall(rf"memdesc<(\d+)x{t.block_n}x128xf8E4M3FN", k.asm["ttgir"])  # the weight tile's ring
+            assert bufs and min(map(int, bufs)) >= 2, (t, bufs)
     build(cap._cap_up_kernel, dict(K=8, KP=8, HAS_VALID=False, COUNT=True, JM=1, JU=768, HAS_BIAS=False, ACT=0,
                                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_T=64, QROWS=128, A8=1), stages=3,
           **SM90_F8)
