@@ -193,7 +193,10 @@ def test_tile_table():
     assert fp8_gemv_tiles(8, 5120, 2048, a8=True) == GemvTiles(64, 128, 4, 6)
     assert fp8_gemv_tiles(2, 2048, 4096, a8=True) == fp8_gemv_tiles(16, 2048, 4096, a8=True) == GemvTiles(32, 128, 4, 6)
     assert fp8_gemv_tiles(1, 5120, 2048, a8=True) == fp8_gemv_tiles(1, 5120, 2048) == CORE_GEMV_FP8
-    assert fp8_gemv_tiles(17, 5120, 2048, a8=True) == fp8_gemv_tiles(8, 5120, 2048) == FP8_GEMV_DEFAULT
+    # the A8 tiles up to 64 rows (16 a program), then the W8A16 default; without A8 the W8A16 table at any T
+    assert fp8_gemv_tiles(64, 5120, 2048, a8=True) == GemvTiles(64, 128, 4, 6)
+    assert fp8_gemv_tiles(64, 2048, 4096, a8=True) == GemvTiles(32, 128, 4, 6)
+    assert fp8_gemv_tiles(65, 5120, 2048, a8=True) == fp8_gemv_tiles(8, 5120, 2048) == FP8_GEMV_DEFAULT
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")

@@ -218,10 +218,14 @@ FP8_GEMV_RULES: tuple[GemvRule, ...] = (
 # blocks keep as many bytes in flight. bench_weights_kernels.py --activations fp8_dynamic on an H100 (T 8,
 # experiments/results/activations/kernels_a8.md): qkv 5120 x 2048 8.4 us on 64 columns x 6 stages against 9.7 on the
 # table's 32 x 3; o 2048 x 4096 11.4 on 32 x 6 against 15.0 on 16 x 3; every column width ran faster with 6 stages
-# than 4 and with 4 than 3; split-K (2, 4) slower. Up to 16 rows (one tl.dot row block); other shapes not measured.
+# than 4 and with 4 than 3; split-K (2, 4) slower. The same tiles up to 64 rows (16 a program; the programs of the other
+# row blocks find the weights in L2): at T 32 / 64 against the 3-stage W8A16 tiles the table fell back to there
+# (experiments/results/fp8_gemv_rows/, one H100): qkv 8.9 -> 7.8 / 14.1 -> 11.2 us, o 13.8 -> 10.0 / 27.6 -> 12.2
+# (the best of the sweep: qkv 7.7 / 9.3 on 32 rows a program, o 10.0 / 10.8 on 32 / 64 columns; 64 rows a program
+# 10.1-17.0). The captured step at bs 32 / 64 was not measured with these rules; other shapes not measured.
 FP8_A8_GEMV_RULES: tuple[GemvRule, ...] = (
-    GemvRule(GemvTiles(32, 128, 4, 6), tokens=(2, 17), out=(0, 2049)),
-    GemvRule(GemvTiles(64, 128, 4, 6), tokens=(2, 17)),
+    GemvRule(GemvTiles(32, 128, 4, 6), tokens=(2, 65), out=(0, 2049)),
+    GemvRule(GemvTiles(64, 128, 4, 6), tokens=(2, 65)),
 )
 
 
