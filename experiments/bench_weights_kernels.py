@@ -158,8 +158,6 @@ def main(argv=None):
         for fmt, sets, tile_set in cases(full, quant, t0, variants, fma) if "moe_experts" in args.ops else ():
             gb = nbytes(sets[0][0], hit) + nbytes(sets[0][1], hit)
             for t in tile_set:
-                if fmt == "mxfp4" and 1 < t.block_m < 16:  # no kernel: mxfp4 runs one row or tl.dot_scaled's 16+
-                    continue
                 t = MoeTiles(**{**t.__dict__, "down_split": t0.down_split})
                 fns = [lambda gu=gu, dn=dn, t=t: tri.moe_experts(x, idx, w, gu, dn, tiles=t) for gu, dn in sets]
                 us, err = time_us(fns), None
@@ -175,8 +173,6 @@ def main(argv=None):
                 table = capacity_tiles(cap, D, I, E, "full" if fmt == "bf16" else fmt)
                 grid = tile_set if T == 8 and not args.table_only else []
                 for t in dict.fromkeys([table, t0, *grid]):
-                    if fmt == "mxfp4" and 1 < t.block_m < 16:
-                        continue
                     fns = [lambda gu=gu, dn=dn, t=t: tri.capacity_experts(x, idx, w, gu, dn, capacity_factor=1.25,
                                                                           tiles=t) for gu, dn in sets[:3]]
                     note = " ".join(n for n, c in ((f"[table at C {cap}]", t == table), ("[bf16 rule at T]", t == t0))
@@ -214,12 +210,13 @@ def main(argv=None):
             tiles = grid if T > 2 or args.activations == "full" or args.table_only else []
             for t in tiles + (fma if T <= 2 else []):
                 # split-K: the fp32 partial rows (the consumer, add_rmsnorm / norm_route, adds them), summed here
-                op = tri.linear_partials if t is not None and t.split_k > 1 else tri.linear
+                split = t is not None and t.split_k > 1
+                op = tri.linear_partials if split else tri.linear
                 fns = [lambda wi=wi, t=t, op=op: op(x, wi, tiles=t, xq=xq) for wi in qs]
                 us, err = time_us(fns), None
                 if us == us:
                     out = fns[0]()
-                    out = out.sum(1).to(BF) if t is not None and t.split_k > 1 else out
+                    out = out.sum(1).to(BF) if split else out
                     err = float((out - ref.linear(x, qs[0])).abs().max())
                 row(name, T, "fp8_block", t or "table", us, nbytes(qs[0]), err)
             if args.cublas and args.activations != "full":

@@ -405,14 +405,6 @@ class ExpertArgs:
         assert down_bias is None or down_bias.stride(1) == 1
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
 
-    def check_rows(self, block_m: int) -> None:
-        """Refuses, before any launch, tiles the experts' format has no product for: mxfp4 takes one row a program
-        on the CUDA cores (quant.mx_row_mac) or 16 rows and more on tl.dot_scaled (2-8 rows sharing one decode were
-        measured slower than the table's tiles and removed: experiments/results/mx_rows/)."""
-        if self.weights == "mxfp4" and 1 < block_m < 16:
-            raise ValueError(f"mxfp4 experts: MoeTiles.block_m={block_m} has no kernel; use block_m=1 (one row a "
-                             "program, on the CUDA cores) or block_m>=16 (tl.dot_scaled)")
-
     def paired(self, tiles) -> int:
         """up_tile's PAIRED: interleaved gate/up read as one tile where the tiles say so (MoeTiles.paired); unquantized
         weights only (mxfp4's packed rows load contiguously either way; block-FP8 has no interleaved family)."""
@@ -427,8 +419,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     grid: "expert" (a program per expert), "slot" (a program per assignment, the expert's first one runs it), "row"
     (one-row tiles, MoeTiles.block_m 1: a program per assignment, each running its own row) or "auto": row on one-row
     tiles, else slot when the assignments are fewer than the experts (decode at small batches), else expert. On the
-    expert and slot grids one-row tiles give an expert T row blocks, most of them empty programs. mxfp4 experts run
-    one row a program (block_m 1) or 16 and more (ExpertArgs.check_rows)."""
+    expert and slot grids one-row tiles give an expert T row blocks, most of them empty programs."""
     T, K = idx.shape
     D = x.shape[1]
     a = ExpertArgs(gate_up, down, spec, gate_up_bias, down_bias)
@@ -439,7 +430,6 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     if grid not in ("auto", "expert", "slot", "row"):
         raise ValueError(f"grid={grid!r}: choose auto, expert, slot or row")
     t = tiles or _tiles.moe_tiles(T, D, inter, E, a.weights)
-    a.check_rows(t.block_m)
     split = t.down_split if down_bias is None else 1  # a biased down projection keeps one pass (bias before round)
     bm = t.block_m
     by_row = grid == "row" or (grid == "auto" and bm == 1)

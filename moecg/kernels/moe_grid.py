@@ -60,15 +60,14 @@ def work(idx_ptr, valid_ptr, p, mb, S, by_slot, K: tl.constexpr, HAS_VALID: tl.c
     """Program (p, mb)'s work -> (expert e, lead: e's first valid assignment or expert program, rows [BLOCK_M], row
     mask, go: it has rows to run). Row grid (BY_ROW, one-row tiles, by_slot 1): its row is assignment p itself, run
     where p is a real token's; else the rows of e's row block mb (_rows_for), run by the lead."""
+    e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
     if BY_ROW:
-        e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
         rows = p + tl.arange(0, 1)
         rmask = rows < S
         if HAS_VALID:
             rmask = rmask & (tl.load(valid_ptr + rows // K, mask=rows < S, other=0) != 0)
         go = tl.max(rmask.to(tl.int32), axis=0) > 0
     else:
-        e, lead = _expert_of(idx_ptr, valid_ptr, p, S, by_slot, K, HAS_VALID, BLOCK_S)
         cnt, rows, rmask = _rows_for(idx_ptr, valid_ptr, e, mb, S, K, HAS_VALID, BLOCK_M, BLOCK_S)
         go = lead & (cnt > mb * BLOCK_M)
     return e, lead, rows, rmask, go

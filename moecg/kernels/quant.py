@@ -377,22 +377,6 @@ def _e2m1_word(w):
 
 
 @triton.jit
-def _mx_words(wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns k0 .. k0 + BLOCK_K of BLOCK_N mxfp4 weight rows read as int32 words of 8 codes -> (their values times
-    2^-14, [BLOCK_N, BLOCK_K / 32, 32] fp32 (_e2m1_word), each 32-column group's scale times 2^14, [BLOCK_N,
-    BLOCK_K / 32]: 2^(s - 113), a normal fp32 for every scale byte s <= 240)."""
-    W: tl.constexpr = BLOCK_K // 8
-    NS: tl.constexpr = BLOCK_K // 32
-    kw = k0 // 8 + tl.arange(0, W)
-    w = tl.load(wrow_ptr.to(tl.pointer_type(tl.int32)) + kw[None, :], mask=nmask[:, None] & (kw < K // 8)[None, :],
-                other=0)  # [BLOCK_N, W]
-    j = k0 // 32 + tl.arange(0, NS)
-    sc = tl.load(srow_ptr[:, None] + j[None, :] * s_sk, mask=nmask[:, None] & (j < K // 32)[None, :],
-                 other=127).to(tl.int32)  # [BLOCK_N, NS]
-    return tl.reshape(_e2m1_word(w), (BLOCK_N, NS, 32)), ((sc + 14) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def mx_row_mac(x, acc, wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """mac's one-row CUDA-core product for mxfp4 weights: acc [BLOCK_N, BLOCK_K / 32] (mac_init's with MX, one sum per
     32-column scale group of the K step, added over the steps) + x [1, BLOCK_K] times columns k0 .. k0 +
@@ -403,8 +387,16 @@ def mx_row_mac(x, acc, wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N: tl.const
     2^(s - 127) times 2^14, one exponent, s + 14 (scale bytes above 240, blocks of 6 x 2^113 and more, are refused
     where weights are quantized or loaded: formats.MX_SCALE_MAX). For bf16 x the result differs from the
     dequantize-then-matmul reference only in the order of its fp32 sums."""
+    W: tl.constexpr = BLOCK_K // 8
     NS: tl.constexpr = BLOCK_K // 32
-    v, sf = _mx_words(wrow_ptr, srow_ptr, k0, K, s_sk, nmask, BLOCK_N, BLOCK_K)
+    kw = k0 // 8 + tl.arange(0, W)
+    w = tl.load(wrow_ptr.to(tl.pointer_type(tl.int32)) + kw[None, :], mask=nmask[:, None] & (kw < K // 8)[None, :],
+                other=0)  # [BLOCK_N, W]
+    v = tl.reshape(_e2m1_word(w), (BLOCK_N, NS, 32))
+    j = k0 // 32 + tl.arange(0, NS)
+    sc = tl.load(srow_ptr[:, None] + j[None, :] * s_sk, mask=nmask[:, None] & (j < K // 32)[None, :],
+                 other=127).to(tl.int32)  # [BLOCK_N, NS]
+    sf = ((sc + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) * 2^14, a normal fp32 for every s <= 240
     x3 = tl.reshape(x.to(tl.float32), (1, NS, 32))
     return acc + tl.sum(x3 * v, axis=2) * sf
 
@@ -428,12 +420,15 @@ def mx_dot(x, acc, w_ptr, rows, s_wj, s_wk, s_ptr, s_sj, s_sk, k0, K, nmask, BLO
            BLOCK_K: tl.constexpr, DOT: tl.constexpr = 1):
     """acc + x [BLOCK_M, BLOCK_K] @ W[rows, k0 : k0 + BLOCK_K]^T for mxfp4 W: packed bytes at w_ptr + row * s_wj +
     (column / 2) * s_wk, scales at s_ptr + row * s_sj + (column / 32) * s_sk; rows [BLOCK_N], masked by nmask.
-    DOT 0: one row (BLOCK_M 1) only, mx_row_mac's CUDA-core products (acc: mac_init's with MX, one sum per 32-column
-    scale group of a step); the MoE entry points refuse 2-15 rows (moe.ExpertArgs.check_rows)."""
-    tl.static_assert(DOT or x.shape[0] == 1, "mxfp4 on the CUDA cores: one row a program (MoeTiles.block_m 1)")
+    DOT 0: mac's CUDA-core products on the register decode (acc: mac_init's); one row (BLOCK_M 1): mx_row_mac's (acc:
+    mac_init's with MX, one sum per 32-column scale group of a step)."""
     if not DOT and x.shape[0] == 1:
         out = mx_row_mac(x, acc, w_ptr + rows[:, None] * s_wj, s_ptr + rows * s_sj, k0, K, s_sk, nmask, BLOCK_N,
                          BLOCK_K)
+    elif not DOT:
+        w = mx_tile(w_ptr + rows[:, None] * s_wj, s_ptr + rows * s_sj, k0, K, s_wk, s_sk, nmask, x.dtype, BLOCK_N,
+                    BLOCK_K)
+        out = mac(x, w, acc, DOT)
     elif x.dtype == tl.bfloat16:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         wq = tl.load(w_ptr + rows[None, :] * s_wj + kb[:, None] * s_wk,
