@@ -29,7 +29,7 @@ import sys
 import torch
 from bench_kernels import graph_time_us  # same directory: one graph of back-to-back calls, timed by replays
 
-from moecg.kernels import gemv, ref, triton_ops as tri
+from moecg.kernels import ref, triton_ops as tri
 from moecg.kernels.quant import quantize_rows
 from moecg.kernels.tiles import GemvTiles, MoeTiles, capacity_tiles, moe_tiles
 from moecg.moe_math import capacity
@@ -109,9 +109,6 @@ def main(argv=None):
     ap.add_argument("--rows", nargs="+", type=int, default=[16],
                     help="the GEMV grid's rows a program on the tensor cores (block-FP8: up to 64)")
     ap.add_argument("--block-n", nargs="+", type=int, default=None, help="the GEMV grid's column blocks")
-    ap.add_argument("--persist", nargs="+", type=int, default=(),
-                    help="with --table-only: the GEMVs' table tiles again on a persistent grid of P programs an SM "
-                         "(GemvTiles.persist), bf16 and block-FP8")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -204,13 +201,6 @@ def main(argv=None):
         for T in args.tokens:
             x = torch.randn(T, Kd, device="cuda", generator=g).to(BF)
             row(name, T, "bf16", "ops.linear", time_us([lambda wi=wi: tri.linear(x, wi) for wi in ws]), nbytes(ws[0]))
-            table = gemv.table_tiles(x, ws[0])
-            for p in args.persist if table is not None else ():  # the bf16 table tiles on a persistent grid
-                t = dataclasses.replace(table, persist=p)
-                row(name, T, "bf16", t, time_us([lambda wi=wi, t=t: tri.linear(x, wi, tiles=t) for wi in ws]),
-                    nbytes(ws[0]))
-            if args.table_only:
-                grid = [None] + [dataclasses.replace(gemv.table_tiles(x, qs[0]), persist=p) for p in args.persist]
             for t in fma if T == 1 else ():  # the Triton GEMV on bf16 weights, one row a program
                 row(name, T, "bf16", t, time_us([lambda wi=wi, t=t: tri.linear(x, wi, tiles=t) for wi in ws]),
                     nbytes(ws[0]))

@@ -10,8 +10,6 @@ elementwise op that HF runs in bf16.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -75,18 +73,17 @@ def silu_mul(gu, inter: int, quant: bool = False):
 # the programs resident while the predecessor (a norm, the attention) runs have their first tile in flight or in
 # registers when it ends; the arithmetic and its order are unchanged (the loop's first step peeled).
 @triton.jit
-def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, nb, n, nm, s_sn, s_sk, QROWS: tl.constexpr,
+def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr,
                A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs, xs8, sw8):
-    """acc + the rows t of x at columns k0 .. times the weight tile w of those columns n (column block nb), dequantized
-    as its format.
+    """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format).
     A8: x's e4m3 values as quant.a8_tile gives them (from q_ptr / qs_ptr where the input came quantized); on the
     tensor cores the step's scales xs8 / sw8, loaded a step ahead (quant.fp8_scales_ahead)."""
     x, xq = a8_tile(x_ptr, t, tm, s_xt, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
     if A8 and DOT:
         acc = fp8_mma(xq, xs8, w, sw8, acc, t.shape[0])
     elif ROW_SCALE:
-        acc = fp8_row_mac(x, w, acc, ws_ptr + (nb * BLOCK_N // QROWS) * s_sn, k0, K, s_sk, BLOCK_K)
+        acc = fp8_row_mac(x, w, acc, ws_ptr + (tl.program_id(0) * BLOCK_N // QROWS) * s_sn, k0, K, s_sk, BLOCK_K)
     else:
         if QROWS:
             w = dequant_tile(w, ws_ptr + (n // QROWS) * s_sn, k0, K, s_sk, nm, x.dtype, BLOCK_N, BLOCK_K)
@@ -94,46 +91,13 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, nb, n, nm, s_sn,
     return acc
 
 
-@triton.jit
-def _gemv_block(x_ptr, w_ptr, b_ptr, y_ptr, nb, w, t, tm, T, N, K, k_lo, k_hi, s_xt, s_wn, s_yt, s_wk, ws_ptr, s_sn,
-                s_sk, sp, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                QROWS: tl.constexpr, SPLIT: tl.constexpr, A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs):
-    """Column block nb's output rows t: w is its first K step's weight tile, loaded already (before the PDL wait
-    where PRELOAD); the other K steps load here."""
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
-    DOT: tl.constexpr = BLOCK_T >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
-    ROW_SCALE: tl.constexpr = (BLOCK_T == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # one row: x scaled (fp8_row_mac)
-    acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
-    PRE: tl.constexpr = A8 and DOT  # each step's scales loaded a step ahead, beside the MMA before (fp8_scales_ahead)
-    srow = ws_ptr + (n // QROWS) * s_sn if PRE else ws_ptr
-    xs8, sw8 = fp8_scales_ahead(PRE, qs_ptr, t, tm, s_qs, srow, nm, s_sk, k_lo, k_hi)
-    xs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, t, tm, s_qs, srow, nm, s_sk, k_lo + BLOCK_K, k_hi)
-    acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k_lo, k_hi, K, ws_ptr, nb, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
-                     BLOCK_K, DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs, xs8,
-                     sw8)  # every split has columns (linear_partials): the first step always runs
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
-        xs8, sw8 = xs9, sw9
-        xs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, t, tm, s_qs, srow, nm, s_sk, k0 + BLOCK_K, k_hi)
-        acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, nb, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
-                         BLOCK_K, DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs, xs8, sw8)
-    acc = mac_sum(acc, DOT, A8)
-    if HAS_BIAS:  # split: once, in the first split's partial
-        b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
-        if SPLIT > 1:
-            b = tl.where(sp == 0, b, 0.0)
-        acc += b[None, :]
-    tl.store(y_ptr + t[:, None] * s_yt + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=tm[:, None] & nm[None, :])
-
-
 @triton.jit(do_not_specialize=["T", "kper"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
                  s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0,
                  SPLIT: tl.constexpr = 1, kper=0, s_ys=0, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
-                 q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, PERSIST: tl.constexpr = 0):
-    sp = 0
+                 q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT > 1:  # program_id(1) is the K split (one head): columns [sp * kper, (sp + 1) * kper) of K
         sp = tl.program_id(1)
         k_lo = sp * kper
@@ -146,8 +110,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
         y_ptr += hd * s_yh
         k_lo = 0
         k_hi = K
-    nb = tl.program_id(0)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     # the PDL wait before the first K step's weights, or with PRELOAD after them (no kernel writes weights: they then
     # load while the predecessor runs); one of the two calls waits, the other is mode 0 (nothing)
@@ -156,37 +118,33 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     pdl_enter(USE_PDL * PRELOAD)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
-    if PERSIST:  # a persistent grid (GemvTiles.persist): column blocks nb, nb + G, ... (G programs), each block's
-        G = tl.num_programs(0)  # first weight tile loaded before the block before it runs (one tile in flight)
-        for nx in tl.range(nb + G, tl.cdiv(N, BLOCK_N) + G, G):  # nx: the next block (past the last: all masked)
-            n2 = nx * BLOCK_N + tl.arange(0, BLOCK_N)
-            w2 = w_tile(w_ptr, n2, n2 < N, k_lo, k_hi, s_wn, s_wk, BLOCK_K)
-            _gemv_block(x_ptr, w_ptr, b_ptr, y_ptr, nx - G, w, t, tm, T, N, K, k_lo, k_hi, s_xt, s_wn, s_yt, s_wk,
-                        ws_ptr, s_sn, s_sk, sp, HAS_BIAS, BLOCK_T, BLOCK_N, BLOCK_K, QROWS, SPLIT, A8, q_ptr,
-                        qs_ptr, s_qt, s_qs)
-            w = w2
-    else:
-        _gemv_block(x_ptr, w_ptr, b_ptr, y_ptr, nb, w, t, tm, T, N, K, k_lo, k_hi, s_xt, s_wn, s_yt, s_wk, ws_ptr,
-                    s_sn, s_sk, sp, HAS_BIAS, BLOCK_T, BLOCK_N, BLOCK_K, QROWS, SPLIT, A8, q_ptr, qs_ptr, s_qt, s_qs)
+    DOT: tl.constexpr = BLOCK_T >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
+    ROW_SCALE: tl.constexpr = (BLOCK_T == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # one row: x scaled (fp8_row_mac)
+    acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
+    PRE: tl.constexpr = A8 and DOT  # each step's scales loaded a step ahead, beside the MMA before (fp8_scales_ahead)
+    srow = ws_ptr + (n // QROWS) * s_sn if PRE else ws_ptr
+    xs8, sw8 = fp8_scales_ahead(PRE, qs_ptr, t, tm, s_qs, srow, nm, s_sk, k_lo, k_hi)
+    xs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, t, tm, s_qs, srow, nm, s_sk, k_lo + BLOCK_K, k_hi)
+    acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k_lo, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N, BLOCK_K,
+                     DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs, xs8,
+                     sw8)  # every split has columns (linear_partials): the first step always runs
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
+        xs8, sw8 = xs9, sw9
+        xs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, t, tm, s_qs, srow, nm, s_sk, k0 + BLOCK_K, k_hi)
+        acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
+                         BLOCK_K, DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs, xs8, sw8)
+    acc = mac_sum(acc, DOT, A8)
+    if HAS_BIAS:  # split: once, in the first split's partial
+        b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+        if SPLIT > 1:
+            b = tl.where(sp == 0, b, 0.0)
+        acc += b[None, :]
+    tl.store(y_ptr + t[:, None] * s_yt + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=tm[:, None] & nm[None, :])
 
 
 GEMV_MAX_T = 16  # rows one program's tl.dot block holds
 FP8_MAX_ROWS = 64  # the block-FP8 GEMV's (any T): up to 64 rows a program, so up to 64 rows read the weights once
-
-
-@functools.cache
-def _sms(device: torch.device) -> int:
-    """The device's SMs (4 for the interpreter's CPU tensors, so a persistent grid loops there too)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-def _cols(N: int, t, device) -> tuple[int, dict]:
-    """The grid's column dim and the PERSIST flag: a program per column block, or with GemvTiles.persist = P at most P
-    programs an SM, each looping over its blocks."""
-    nb = triton.cdiv(N, t.block_n)
-    if not t.persist or nb <= t.persist * _sms(device):
-        return nb, {}
-    return t.persist * _sms(device), {"PERSIST": 1}
 
 
 def _rows(t, fp8: bool) -> int:
@@ -210,10 +168,10 @@ def linear(x, w, bias=None, tiles=None, xq=None):
         return F.linear(x, w, bias)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     rows = min(t.rows, GEMV_MAX_T)
-    cols, persist = _cols(N, t, x.device)
-    launch(_gemv_kernel, (cols, 1, triton.cdiv(T, rows)), x, w, bias if bias is not None else y,
+    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, rows)), x, w, bias if bias is not None else y,
             y, T, N, K, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=rows,
-            BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages, **persist,
+            BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages,
             **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y
 
@@ -231,10 +189,9 @@ def router_logits(h, w, tiles=None):
         return F.linear(h.float(), w.float())
     assert t.rows == 1, "router_logits: fp32 products on the CUDA cores (rows 1); tl.dot would round them to tf32"
     y = torch.empty(T, E, dtype=torch.float32, device=h.device)
-    cols, persist = _cols(E, t, h.device)
-    launch(_gemv_kernel, (cols, 1, T), h, w, y, y, T, E, K, h.stride(0), w.stride(0),
+    launch(_gemv_kernel, (triton.cdiv(E, t.block_n), 1, T), h, w, y, y, T, E, K, h.stride(0), w.stride(0),
            y.stride(0), HAS_BIAS=False, BLOCK_T=1, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps,
-           num_stages=t.stages, **persist, **pdl_args(h.device, t.pdl_trigger, preload=True))
+           num_stages=t.stages, **pdl_args(h.device, t.pdl_trigger, preload=True))
     return y
 
 
@@ -266,11 +223,10 @@ def linear_partials(x, w, bias=None, tiles=None, xq=None):
     y = torch.empty(S, T, N, dtype=torch.float32, device=x.device)
     q, extra = (w.q, {"ws_ptr": w.scale, "s_sn": w.scale.stride(0), "s_sk": w.scale.stride(1), "QROWS": w.rows,
                       "A8": _a8(w), **a8_inputs(x, _a8(w), rows, xq)}) if fp8 else (w, {})
-    cols, persist = _cols(N, t, x.device)
-    launch(_gemv_kernel, (cols, S, triton.cdiv(T, rows)), x, q,
+    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), S, triton.cdiv(T, rows)), x, q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), q.stride(0), y.stride(1),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
-           num_stages=t.stages, SPLIT=S, kper=kper, s_ys=y.stride(0), **extra, **persist,
+           num_stages=t.stages, SPLIT=S, kper=kper, s_ys=y.stride(0), **extra,
            **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y.transpose(0, 1)  # [T, S, N]
 
@@ -293,12 +249,11 @@ def _linear_fp8(x, w, bias, tiles, xq=None):
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     s = w.scale
     rows = _rows(t, True)
-    cols, persist = _cols(N, t, x.device)
-    launch(_gemv_kernel, (cols, 1, triton.cdiv(T, rows)), x, w.q,
+    launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, rows)), x, w.q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), w.q.stride(0), y.stride(0),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=_fp8_k(t.block_k, w, rows),
            num_warps=t.warps, num_stages=t.stages, ws_ptr=s, s_sn=s.stride(0), s_sk=s.stride(1), QROWS=w.rows,
-           A8=_a8(w), **a8_inputs(x, _a8(w), rows, xq), **persist,
+           A8=_a8(w), **a8_inputs(x, _a8(w), rows, xq),
            **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y
 

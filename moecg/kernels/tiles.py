@@ -153,7 +153,6 @@ class GemvTiles:
     pdl_trigger: bool = True  # under PDL mode 2, trigger the successor's launch at the start (False: as blocks exit)
     split_k: int = 1  # K split this many ways into fp32 partial rows the consumer adds (gemv.linear_partials only)
     rows: int = 16  # rows of x per program: 16 on tl.dot (block-FP8: up to 64); fewer (1 at batch 1): CUDA-core products
-    persist: int = 0  # P > 0: at most P programs an SM, each looping over column blocks, the next block's tile in flight
 
 
 @dataclass(frozen=True)
