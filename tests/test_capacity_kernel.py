@@ -20,7 +20,8 @@ from moecg.dispatch.capacity import Capacity
 from moecg.dispatch.state import LayerCounters
 from moecg.engine import DecodeEngine
 from moecg.kernels import ref
-from moecg.kernels.tiles import CAPACITY_ROWS, DEFAULT, MOE_TILE_RULES, MoeTiles, TileRule, capacity_tiles, moe_tiles
+from moecg.kernels.tiles import (CAPACITY_ROWS, DEFAULT, MOE_TILE_RULES, QWEN3_DOWN, MoeTiles, TileRule, capacity_tiles,
+                                 moe_tiles)
 from moecg.models import build_model
 from interp_runner import HAS_TRITON, run_marked  # tests/
 
@@ -158,9 +159,14 @@ def test_tile_table():
     """One table: Mixtral-sized experts get their tiles, the others the defaults, the first matching rule wins."""
     mixtral = moe_tiles(8, 4096, 14336, 8)
     assert (mixtral.up_n, mixtral.up_k, mixtral.stages) == (32, 256, 3)
-    for shape in ((8, 2048, 1408, 60), (64, 2048, 768, 128), (8, 4096, 2880, 32), (8, 64, 32, 8),
+    for shape in ((8, 2048, 1408, 60), (32, 2048, 768, 128), (64, 2048, 1408, 60), (8, 4096, 2880, 32), (8, 64, 32, 8),
                   (1, 7168, 2048, 256)):
         assert moe_tiles(*shape) == DEFAULT == MoeTiles()
+    # Qwen3-30B-A3B's and OLMoE's experts (D 2048, I 768 / 1024): 128-column down programs at 64 rows in bf16, 32-64 in
+    # block-FP8; not at 16 rows, nor past 64
+    assert moe_tiles(64, 2048, 768, 128) == moe_tiles(64, 2048, 1024, 64) == QWEN3_DOWN == MoeTiles(down_n=128)
+    assert moe_tiles(32, 2048, 768, 128, "fp8_block") == moe_tiles(64, 2048, 768, 128, "fp8_block") == QWEN3_DOWN
+    assert moe_tiles(16, 2048, 768, 128, "fp8_block") == moe_tiles(128, 2048, 768, 128) == DEFAULT
     # bf16 experts: GPT-OSS's at any batch, Qwen1.5's and GLM-4.5-Air's at batch 1 on 32 columns
     assert moe_tiles(8, 2880, 2880, 32) == moe_tiles(1, 2880, 2880, 128) == MoeTiles(up_n=32, stages=3)
     assert moe_tiles(1, 2048, 1408, 60) == moe_tiles(1, 4096, 1408, 128) == MoeTiles(up_n=32)
@@ -193,10 +199,10 @@ def test_tile_table():
     assert fp8_gemv_tiles(8, 5120, 2048, a8=True) == GemvTiles(64, 128, 4, 6)
     assert fp8_gemv_tiles(2, 2048, 4096, a8=True) == fp8_gemv_tiles(16, 2048, 4096, a8=True) == GemvTiles(32, 128, 4, 6)
     assert fp8_gemv_tiles(1, 5120, 2048, a8=True) == fp8_gemv_tiles(1, 5120, 2048) == CORE_GEMV_FP8
-    # the A8 tiles up to 64 rows (16 a program), then the W8A16 default; without A8 the W8A16 table at any T
-    assert fp8_gemv_tiles(64, 5120, 2048, a8=True) == GemvTiles(64, 128, 4, 6)
-    assert fp8_gemv_tiles(64, 2048, 4096, a8=True) == GemvTiles(32, 128, 4, 6)
-    assert fp8_gemv_tiles(65, 5120, 2048, a8=True) == fp8_gemv_tiles(8, 5120, 2048) == FP8_GEMV_DEFAULT
+    # the A8 tiles up to 32 rows (16 a program), then the W8A16 default; without A8 the W8A16 table at any T
+    assert fp8_gemv_tiles(32, 5120, 2048, a8=True) == GemvTiles(64, 128, 4, 6)
+    assert fp8_gemv_tiles(32, 2048, 4096, a8=True) == GemvTiles(32, 128, 4, 6)
+    assert fp8_gemv_tiles(33, 5120, 2048, a8=True) == fp8_gemv_tiles(8, 5120, 2048) == FP8_GEMV_DEFAULT
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")

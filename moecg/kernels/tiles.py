@@ -10,8 +10,7 @@ sweeps tiles passes `tiles=MoeTiles(...)` instead (experiments/bench_kernels.py)
 
 The values come from experiments/bench_kernels.py on an H200 (experiments/results/kernels/): 64x128 tiles, 4 warps,
 4 stages are best or within 3% for the Qwen shapes at bs 1-32; Mixtral-sized experts (I*D >= 32M, i.e. 4096 x 14336)
-prefer 32x256 with 3 stages. No rule depends on T today, so one compilation serves every bucket; a rule that does
-costs one more compilation per distinct tile set.
+prefer 32x256 with 3 stages. A rule that depends on T costs one more compilation per distinct tile set.
 """
 from __future__ import annotations
 
@@ -68,6 +67,17 @@ MOE_TILE_RULES: tuple[TileRule, ...] = (
 )
 
 
+# At 32-64 rows on Qwen3-30B-A3B's experts (D 2048, I 768, E 128; the expert grid: every expert hit, about 4 rows each at
+# 64) the down kernel's 64-column programs (48 KB of e4m3 each, 6 K steps) took 48% of the step (198 us a layer at bs
+# 64 where its bytes need 66) and 128 columns halve them: in the captured step on one H100 (bench_step_variants.py,
+# 24 layers, experiments/results/down_tiles/), block-FP8 with fp8_dynamic inputs bs 64 10.297 -> 8.782 ms, bs 32
+# 6.133 -> 5.968 (bs 16 4.554 -> 4.571: not taken); weight-only (W8A16) bs 64 11.502 -> 10.321 and bs 32 7.039 ->
+# 6.760 (256 columns did better there, 9.733 / 6.646, but worse with fp8_dynamic, 10.093 at bs 64: the rules do not
+# see the activations, so 128 serves both); bf16 (12 layers) bs 64 7.245 -> 6.543, bs 32 5.026 -> 5.008 (not taken).
+# The same bits (each output column's sum unchanged). Other shapes, and more rows, not measured.
+QWEN3_DOWN = MoeTiles(down_n=128)
+
+
 # bf16 / fp32 experts (model.weights=full), ahead of the rules above.
 FULL_MOE_TILE_RULES: tuple[TileRule, ...] = (
     # GPT-OSS's experts (D 2880, I 2880; interleaved gate/up, read as one 2 x up_n tile): 32 columns and 3 stages,
@@ -82,6 +92,10 @@ FULL_MOE_TILE_RULES: tuple[TileRule, ...] = (
     # (experiments/results/step_variants/up32_*.md, table_*.md).
     TileRule(MoeTiles(up_n=32), tokens=(1, 2), hidden=(2048, 2049), inter=(1408, 1409), experts=(0, 64)),
     TileRule(MoeTiles(up_n=32), tokens=(1, 2), hidden=(4096, 4097), inter=(1408, 1409)),
+    # At 64 rows, Qwen3-30B-A3B's experts (D 2048, I 768, E 128) and OLMoE's (D 2048, I 1024, E 64): 128 output
+    # columns a down program (QWEN3_DOWN); OLMoE 16 layers bs 64 6.073 -> 5.572 ms on one H100, the same bits
+    # (experiments/results/down_tiles/); Qwen1.5-MoE's experts (I 1408, E 60) unchanged (10.263 / 10.273): not taken.
+    TileRule(QWEN3_DOWN, tokens=(64, 65), hidden=(2048, 2049), inter=(768, 1025)),
 )
 
 
@@ -101,6 +115,7 @@ CORE_MOE = MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256, warps=2
 FP8_MOE_TILE_RULES: tuple[TileRule, ...] = (
     TileRule(CORE_MOE, tokens=(1, 2), hidden=(0, 2049)),
     TileRule(MoeTiles(up_k=256, down_k=256, stages=3), tokens=(1, 2), weight=(0, 32 * 2**20)),
+    TileRule(QWEN3_DOWN, tokens=(32, 65), hidden=(2048, 2049), inter=(768, 769)),
 )
 
 
@@ -218,14 +233,15 @@ FP8_GEMV_RULES: tuple[GemvRule, ...] = (
 # blocks keep as many bytes in flight. bench_weights_kernels.py --activations fp8_dynamic on an H100 (T 8,
 # experiments/results/activations/kernels_a8.md): qkv 5120 x 2048 8.4 us on 64 columns x 6 stages against 9.7 on the
 # table's 32 x 3; o 2048 x 4096 11.4 on 32 x 6 against 15.0 on 16 x 3; every column width ran faster with 6 stages
-# than 4 and with 4 than 3; split-K (2, 4) slower. The same tiles up to 64 rows (16 a program; the programs of the other
-# row blocks find the weights in L2): at T 32 / 64 against the 3-stage W8A16 tiles the table fell back to there
-# (experiments/results/fp8_gemv_rows/, one H100): qkv 8.9 -> 7.8 / 14.1 -> 11.2 us, o 13.8 -> 10.0 / 27.6 -> 12.2
-# (the best of the sweep: qkv 7.7 / 9.3 on 32 rows a program, o 10.0 / 10.8 on 32 / 64 columns; 64 rows a program
-# 10.1-17.0). The captured step at bs 32 / 64 was not measured with these rules; other shapes not measured.
+# than 4 and with 4 than 3; split-K (2, 4) slower. The same tiles up to 32 rows (16 a program; the programs of the other
+# row block find the weights in L2), where the 3-stage W8A16 tiles served 17-32 before: alone (one H100,
+# experiments/results/fp8_gemv_rows/) qkv 8.9 -> 7.8 us and o 13.8 -> 10.0 at T 32; the 24-layer Qwen3-30B-A3B
+# step at bs 32 6.258 -> 6.136 ms, and 5.879 -> 5.750 with the down tiles of QWEN3_DOWN, on two H100s. At 64 rows
+# they are faster alone too (qkv 14.1 -> 11.2, o 27.6 -> 12.2), but the step was slower with them in both runs
+# (10.081 -> 10.303, 8.511 -> 8.615 ms; not understood, not measured apart), so 33-64 rows keep the W8A16 tiles.
 FP8_A8_GEMV_RULES: tuple[GemvRule, ...] = (
-    GemvRule(GemvTiles(32, 128, 4, 6), tokens=(2, 65), out=(0, 2049)),
-    GemvRule(GemvTiles(64, 128, 4, 6), tokens=(2, 65)),
+    GemvRule(GemvTiles(32, 128, 4, 6), tokens=(2, 33), out=(0, 2049)),
+    GemvRule(GemvTiles(64, 128, 4, 6), tokens=(2, 33)),
 )
 
 
