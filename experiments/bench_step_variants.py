@@ -143,7 +143,8 @@ def set_variant(v: dict) -> None:
     def moe_experts(*a, tiles=None, grid="auto", **kw):
         if tiles is None:  # moe_experts(x [T, D], idx [T, K], w, gate_up, down, ...): the table's tiles
             ea = triton_ops.ExpertArgs(a[3], a[4], kw.get("spec"))
-            tiles = tiles_of(a[1].shape[0], a[0].shape[1], ea.inter, ea.num_experts, ea.weights)  # its format's
+            tiles = tiles_of(a[1].shape[0], a[0].shape[1], ea.inter, ea.num_experts, ea.weights,
+                             ea.activations)  # its format's and inputs'
         tiles = dataclasses.replace(tiles, down_split=v["split"], **v.get("tiles", {}))
         return moe(*a, tiles=tiles, grid=v.get("grid") or ("auto" if v["slot"] else "expert"), **kw)
 

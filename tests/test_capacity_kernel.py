@@ -20,8 +20,8 @@ from moecg.dispatch.capacity import Capacity
 from moecg.dispatch.state import LayerCounters
 from moecg.engine import DecodeEngine
 from moecg.kernels import ref
-from moecg.kernels.tiles import (CAPACITY_ROWS, DEFAULT, MOE_TILE_RULES, QWEN3_DOWN, MoeTiles, TileRule, capacity_tiles,
-                                 moe_tiles)
+from moecg.kernels.tiles import (CAPACITY_ROWS, DEFAULT, MOE_TILE_RULES, QWEN3_DOWN, QWEN3_DOWN_W8, MoeTiles, TileRule,
+                                 capacity_tiles, moe_tiles)
 from moecg.models import build_model
 from interp_runner import HAS_TRITON, run_marked  # tests/
 
@@ -165,8 +165,16 @@ def test_tile_table():
     # Qwen3-30B-A3B's and OLMoE's experts (D 2048, I 768 / 1024): 128-column down programs at 64 rows in bf16, 32-64 in
     # block-FP8; not at 16 rows, nor past 64
     assert moe_tiles(64, 2048, 768, 128) == moe_tiles(64, 2048, 1024, 64) == QWEN3_DOWN == MoeTiles(down_n=128)
-    assert moe_tiles(32, 2048, 768, 128, "fp8_block") == moe_tiles(64, 2048, 768, 128, "fp8_block") == QWEN3_DOWN
+    # (fp8_dynamic inputs; weight-only 256 columns)
+    a8 = [moe_tiles(T, 2048, 768, 128, "fp8_block", "fp8_dynamic") for T in (32, 64)]
+    w8 = [moe_tiles(T, 2048, 768, 128, "fp8_block") for T in (32, 64)] + [moe_tiles(32, 2048, 768, 128, "fp8_block",
+                                                                                   "full")]
+    assert a8 == [QWEN3_DOWN] * 2 and w8 == [QWEN3_DOWN_W8] * 3 and QWEN3_DOWN_W8 == MoeTiles(down_n=256)
     assert moe_tiles(16, 2048, 768, 128, "fp8_block") == moe_tiles(128, 2048, 768, 128) == DEFAULT
+    assert moe_tiles(64, 2048, 768, 128, "fp8_block", "fp8_dynamic") == capacity_tiles(64, 2048, 768, 128, "fp8_block",
+                                                                                        "fp8_dynamic")
+    assert TileRule(DEFAULT, activations=("full",)).holds(1, 1, 1, 1) and not TileRule(
+        DEFAULT, activations=("full",)).holds(1, 1, 1, 1, "fp8_dynamic")
     # bf16 experts: GPT-OSS's at any batch, Qwen1.5's and GLM-4.5-Air's at batch 1 on 32 columns
     assert moe_tiles(8, 2880, 2880, 32) == moe_tiles(1, 2880, 2880, 128) == MoeTiles(up_n=32, stages=3)
     assert moe_tiles(1, 2048, 1408, 60) == moe_tiles(1, 4096, 1408, 128) == MoeTiles(up_n=32)

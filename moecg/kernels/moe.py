@@ -387,6 +387,7 @@ class ExpertArgs:
         if self.up_scale["MX"]:
             transposed = False
         self.weights = "mxfp4" if self.up_scale["MX"] else "fp8_block" if self.up_scale["QROWS"] else "full"
+        self.activations = "fp8_dynamic" if self.up_scale["A8"] else "full"  # model.activations (the tile rules read it)
         self.act = 0 if spec is None or spec.act == "silu" else 1
         if self.act and spec.act != "swiglu_clamp":
             raise ValueError(f"expert activation {spec.act!r}: the MoE kernel knows silu and swiglu_clamp")
@@ -429,7 +430,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     assert x.stride(1) == 1 and idx.is_contiguous()
     if grid not in ("auto", "expert", "slot", "row"):
         raise ValueError(f"grid={grid!r}: choose auto, expert, slot or row")
-    t = tiles or _tiles.moe_tiles(T, D, inter, E, a.weights)
+    t = tiles or _tiles.moe_tiles(T, D, inter, E, a.weights, a.activations)
     split = t.down_split if down_bias is None else 1  # a biased down projection keeps one pass (bias before round)
     bm = t.block_m
     by_row = grid == "row" or (grid == "auto" and bm == 1)

@@ -1,7 +1,7 @@
 """Tile choices of the MoE expert kernels, as one table keyed by shape and passed to the kernels as arguments.
 
 Dims: T tokens (rows of the step: the captured bucket), D hidden, I expert intermediate, E experts.
-`moe_tiles(T, D, I, E, weights)` walks the experts' format's rules (FORMAT_TILE_RULES), then MOE_TILE_RULES, in order
+`moe_tiles(T, D, I, E, weights, activations)` walks the experts' format's rules (FORMAT_TILE_RULES), then MOE_TILE_RULES, in order
 and returns the tiles of the first rule whose ranges hold the shape (each range half-open, [lo, hi)); DEFAULT where
 none does. Both kernel families read it in their weights' format: the dropless kernels (`moe.moe_experts`) with T, the
 most rows an expert gets, and the capacity kernels (`capacity.capacity_experts`, through `capacity_tiles`) with C, the
@@ -52,9 +52,11 @@ class TileRule:
     inter: tuple = _ANY  # I
     experts: tuple = _ANY  # E
     weight: tuple = _ANY  # I*D, the elements of one expert's projection: what a decode GEMM streams
+    activations: tuple = ("full", "fp8_dynamic")  # model.activations: how block-FP8 experts take their inputs
 
-    def holds(self, T: int, D: int, I: int, E: int) -> bool:  # noqa: E741
-        return _within((T, self.tokens), (D, self.hidden), (I, self.inter), (E, self.experts), (I * D, self.weight))
+    def holds(self, T: int, D: int, I: int, E: int, activations: str = "full") -> bool:  # noqa: E741
+        return activations in self.activations and _within(
+            (T, self.tokens), (D, self.hidden), (I, self.inter), (E, self.experts), (I * D, self.weight))
 
 
 DEFAULT = MoeTiles()
@@ -72,10 +74,11 @@ MOE_TILE_RULES: tuple[TileRule, ...] = (
 # 64 where its bytes need 66) and 128 columns halve them: in the captured step on one H100 (bench_step_variants.py,
 # 24 layers, experiments/results/down_tiles/), block-FP8 with fp8_dynamic inputs bs 64 10.297 -> 8.782 ms, bs 32
 # 6.133 -> 5.968 (bs 16 4.554 -> 4.571: not taken); weight-only (W8A16) bs 64 11.502 -> 10.321 and bs 32 7.039 ->
-# 6.760 (256 columns did better there, 9.733 / 6.646, but worse with fp8_dynamic, 10.093 at bs 64: the rules do not
-# see the activations, so 128 serves both); bf16 (12 layers) bs 64 7.245 -> 6.543, bs 32 5.026 -> 5.008 (not taken).
-# The same bits (each output column's sum unchanged). Other shapes, and more rows, not measured.
+# 6.760, and on 256 columns 9.733 / 6.646 (QWEN3_DOWN_W8, which made the fp8_dynamic step slower, 10.093 at bs 64);
+# bf16 (12 layers) bs 64 7.245 -> 6.543, bs 32 5.026 -> 5.008 (not taken). The same bits (each output column's sum
+# unchanged). Other shapes, and more rows, not measured.
 QWEN3_DOWN = MoeTiles(down_n=128)
+QWEN3_DOWN_W8 = MoeTiles(down_n=256)
 
 
 # bf16 / fp32 experts (model.weights=full), ahead of the rules above.
@@ -115,7 +118,8 @@ CORE_MOE = MoeTiles(block_m=1, up_n=16, up_k=256, down_n=16, down_k=256, warps=2
 FP8_MOE_TILE_RULES: tuple[TileRule, ...] = (
     TileRule(CORE_MOE, tokens=(1, 2), hidden=(0, 2049)),
     TileRule(MoeTiles(up_k=256, down_k=256, stages=3), tokens=(1, 2), weight=(0, 32 * 2**20)),
-    TileRule(QWEN3_DOWN, tokens=(32, 65), hidden=(2048, 2049), inter=(768, 769)),
+    TileRule(QWEN3_DOWN, tokens=(32, 65), hidden=(2048, 2049), inter=(768, 769), activations=("fp8_dynamic",)),
+    TileRule(QWEN3_DOWN_W8, tokens=(32, 65), hidden=(2048, 2049), inter=(768, 769), activations=("full",)),
 )
 
 
@@ -141,9 +145,10 @@ MX_MOE_TILE_RULES: tuple[TileRule, ...] = (
 FORMAT_TILE_RULES = {"full": FULL_MOE_TILE_RULES, "fp8_block": FP8_MOE_TILE_RULES, "mxfp4": MX_MOE_TILE_RULES}  # by model.weights
 
 
-def moe_tiles(T: int, D: int, I: int, E: int, weights: str = "full") -> MoeTiles:  # noqa: E741
-    """weights: the experts' format (model.weights: full, fp8_block, mxfp4), whose rules come first."""
-    return _first(FORMAT_TILE_RULES[weights] + MOE_TILE_RULES, DEFAULT, T, D, I, E)
+def moe_tiles(T: int, D: int, I: int, E: int, weights: str = "full", activations: str = "full") -> MoeTiles:  # noqa: E741
+    """weights: the experts' format (model.weights: full, fp8_block, mxfp4), whose rules come first; activations:
+    model.activations (fp8_dynamic: block-FP8 experts on quantized inputs)."""
+    return _first(FORMAT_TILE_RULES[weights] + MOE_TILE_RULES, DEFAULT, T, D, I, E, activations)
 
 
 # The capacity kernels' tiles: the table's for C rows in the format, but where those are one row a program and C > 1
@@ -153,8 +158,8 @@ def moe_tiles(T: int, D: int, I: int, E: int, weights: str = "full") -> MoeTiles
 CAPACITY_ROWS = MoeTiles(block_m=1, up_n=32, down_n=64)
 
 
-def capacity_tiles(C: int, D: int, I: int, E: int, weights: str = "full") -> MoeTiles:  # noqa: E741
-    t = moe_tiles(C, D, I, E, weights)
+def capacity_tiles(C: int, D: int, I: int, E: int, weights: str = "full", activations: str = "full") -> MoeTiles:  # noqa: E741
+    t = moe_tiles(C, D, I, E, weights, activations)
     return CAPACITY_ROWS if t.block_m == 1 and C > 1 else t
 
 
