@@ -170,7 +170,7 @@ def main(argv=None):
             cap = capacity(T, K, E, 1.25, 1)
             for fmt, sets, tile_set in cases(full, quant, t0, variants, fma):
                 gb = nbytes(sets[0][0]) + nbytes(sets[0][1])
-                table = capacity_tiles(cap, D, I, E, "full" if fmt == "bf16" else fmt)
+                table = capacity_tiles(cap, D, I, E, *(("full", "full") if fmt == "bf16" else (fmt, args.activations)))
                 grid = tile_set if T == 8 and not args.table_only else []
                 for t in dict.fromkeys([table, t0, *grid]):
                     fns = [lambda gu=gu, dn=dn, t=t: tri.capacity_experts(x, idx, w, gu, dn, capacity_factor=1.25,
