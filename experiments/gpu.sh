@@ -177,6 +177,19 @@ suite_preload() {  # weights loaded before each kernel's PDL wait (the default) 
       --variants $D_STEP+pre=0 $D_STEP $D_STEP+pre=0+pre=0 $D_STEP+pre=1
   done
 }
+suite_down_tiles() {  # the MoE down kernel's columns at 16-64 rows: Qwen3-30B-A3B (24 layers: FP8 + fp8_dynamic, FP8 weight-only; 12 layers bf16), OLMoE and Qwen1.5 bf16 at bs 64, the FP8 step's profile at bs 64
+  bench down_tiles
+  local D_NO=slot+overlap+router+gemv  # PDL off
+  variant qwen3_24_a8 qwen3_30b_a3b 24 --weights fp8_block --activations fp8_dynamic --batch 64 32 16 --repeats 3 \
+    --variants $D_STEP $D_NO $D_STEP+down_n=64 $D_STEP+down_n=128 $D_STEP+down_n=256 $D_STEP+block_m=32
+  variant qwen3_24_w8 qwen3_30b_a3b 24 --weights fp8_block --batch 64 32 --repeats 3 \
+    --variants $D_STEP $D_STEP+down_n=64 $D_STEP+down_n=128 $D_STEP+down_n=256
+  variant qwen3_12 qwen3_30b_a3b 12 --batch 64 32 --repeats 3 --variants $D_STEP $D_STEP+down_n=64 $D_STEP+down_n=256
+  variant olmoe_16 olmoe_1b_7b 16 --batch 64 --repeats 3 --variants $D_STEP $D_STEP+down_n=64
+  variant qwen1_5_24 qwen1_5_moe_a2_7b 24 --batch 64 --repeats 3 --variants $D_STEP $D_STEP+down_n=128
+  variant qwen3_24_a8_profile qwen3_30b_a3b 24 --weights fp8_block --activations fp8_dynamic --batch 64 --repeats 3 \
+    --variants $D_STEP $D_NO --profile $D_NO
+}
 suite_row_grid() {  # mxfp4 experts on one-row tiles (row grid) against tl.dot_scaled and 32 x 64 columns, GPT-OSS 12 layers, bs 1-64; its GPU tests
   bench row_grid
   t gpu_tests.log python3 -m pytest -q -m gpu tests/test_weights_gpu.py tests/test_act_gpu.py \
