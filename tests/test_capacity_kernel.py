@@ -159,8 +159,8 @@ def test_tile_table():
     """One table: Mixtral-sized experts get their tiles, the others the defaults, the first matching rule wins."""
     mixtral = moe_tiles(8, 4096, 14336, 8)
     assert (mixtral.up_n, mixtral.up_k, mixtral.stages) == (32, 256, 3)
-    for shape in ((8, 2048, 1408, 60), (32, 2048, 768, 128), (64, 2048, 1408, 60), (8, 4096, 2880, 32), (8, 64, 32, 8),
-                  (1, 7168, 2048, 256)):
+    for shape in ((8, 2048, 1408, 60), (32, 2048, 768, 128), (64, 2048, 1408, 60), (8, 4096, 2880, 32),
+                  (8, 64, 32, 8), (1, 7168, 2048, 256)):
         assert moe_tiles(*shape) == DEFAULT == MoeTiles()
     # Qwen3-30B-A3B's and OLMoE's experts (D 2048, I 768 / 1024): 128-column down programs at 64 rows in bf16, 32-64 in
     # block-FP8; not at 16 rows, nor past 64

@@ -229,7 +229,8 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
     S = T * K
     assert x.stride(1) == 1 and idx.is_contiguous()
     C = capacity(T, K, E, capacity_factor, min_capacity)  # buffer slots: the padded shape's C bounds every threshold
-    t = tiles or capacity_tiles(C, D, inter, E, a.weights, a.activations)  # a slot block holds at most C rows: the table's for C
+    # a slot block holds at most C rows: the table's tiles for C
+    t = tiles or capacity_tiles(C, D, inter, E, a.weights, a.activations)
     m_blocks = triton.cdiv(C, t.block_m)
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)  # [S, I] rows of kept assignments only
     y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)  # every row written: kept by down, rest by slots

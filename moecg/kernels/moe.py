@@ -387,7 +387,7 @@ class ExpertArgs:
         if self.up_scale["MX"]:
             transposed = False
         self.weights = "mxfp4" if self.up_scale["MX"] else "fp8_block" if self.up_scale["QROWS"] else "full"
-        self.activations = "fp8_dynamic" if self.up_scale["A8"] else "full"  # model.activations (the tile rules read it)
+        self.activations = "fp8_dynamic" if self.up_scale["A8"] else "full"  # model.activations, for the tile rules
         self.act = 0 if spec is None or spec.act == "silu" else 1
         if self.act and spec.act != "swiglu_clamp":
             raise ValueError(f"expert activation {spec.act!r}: the MoE kernel knows silu and swiglu_clamp")

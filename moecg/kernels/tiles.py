@@ -1,12 +1,13 @@
 """Tile choices of the MoE expert kernels, as one table keyed by shape and passed to the kernels as arguments.
 
 Dims: T tokens (rows of the step: the captured bucket), D hidden, I expert intermediate, E experts.
-`moe_tiles(T, D, I, E, weights, activations)` walks the experts' format's rules (FORMAT_TILE_RULES), then MOE_TILE_RULES, in order
-and returns the tiles of the first rule whose ranges hold the shape (each range half-open, [lo, hi)); DEFAULT where
-none does. Both kernel families read it in their weights' format: the dropless kernels (`moe.moe_experts`) with T, the
-most rows an expert gets, and the capacity kernels (`capacity.capacity_experts`, through `capacity_tiles`) with C, the
-most an expert's slots hold (C = 1 at most decode sizes), which run the same GEMM tiles on other rows. A caller that
-sweeps tiles passes `tiles=MoeTiles(...)` instead (experiments/bench_kernels.py).
+`moe_tiles(T, D, I, E, weights, activations)` walks the experts' format's rules (FORMAT_TILE_RULES), then
+MOE_TILE_RULES, in order and returns the tiles of the first rule whose ranges hold the shape (each range half-open,
+[lo, hi)) and whose activations hold model.activations; DEFAULT where none does. Both kernel families read it in their
+weights' format: the dropless kernels (`moe.moe_experts`) with T, the most rows an expert gets, and the capacity
+kernels (`capacity.capacity_experts`, through `capacity_tiles`) with C, the most an expert's slots hold (C = 1 at most
+decode sizes), which run the same GEMM tiles on other rows. A caller that sweeps tiles passes `tiles=MoeTiles(...)`
+instead (experiments/bench_kernels.py).
 
 The values come from experiments/bench_kernels.py on an H200 (experiments/results/kernels/): 64x128 tiles, 4 warps,
 4 stages are best or within 3% for the Qwen shapes at bs 1-32; Mixtral-sized experts (I*D >= 32M, i.e. 4096 x 14336)
@@ -69,8 +70,8 @@ MOE_TILE_RULES: tuple[TileRule, ...] = (
 )
 
 
-# At 32-64 rows on Qwen3-30B-A3B's experts (D 2048, I 768, E 128; the expert grid: every expert hit, about 4 rows each at
-# 64) the down kernel's 64-column programs (48 KB of e4m3 each, 6 K steps) took 48% of the step (198 us a layer at bs
+# At 32-64 rows on Qwen3-30B-A3B's experts (D 2048, I 768, E 128; the expert grid: every expert hit, about 4 rows each
+# at 64) the down kernel's 64-column programs (48 KB of e4m3 each, 6 K steps) took 48% of the step (198 us a layer at bs
 # 64 where its bytes need 66) and 128 columns halve them: in the captured step on one H100 (bench_step_variants.py,
 # 24 layers, experiments/results/down_tiles/), block-FP8 with fp8_dynamic inputs bs 64 10.297 -> 8.782 ms, bs 32
 # 6.133 -> 5.968 (bs 16 4.554 -> 4.571: not taken); weight-only (W8A16) bs 64 11.502 -> 10.321 and bs 32 7.039 ->
@@ -145,7 +146,8 @@ MX_MOE_TILE_RULES: tuple[TileRule, ...] = (
 FORMAT_TILE_RULES = {"full": FULL_MOE_TILE_RULES, "fp8_block": FP8_MOE_TILE_RULES, "mxfp4": MX_MOE_TILE_RULES}  # by model.weights
 
 
-def moe_tiles(T: int, D: int, I: int, E: int, weights: str = "full", activations: str = "full") -> MoeTiles:  # noqa: E741
+def moe_tiles(T: int, D: int, I: int, E: int, weights: str = "full",  # noqa: E741
+              activations: str = "full") -> MoeTiles:
     """weights: the experts' format (model.weights: full, fp8_block, mxfp4), whose rules come first; activations:
     model.activations (fp8_dynamic: block-FP8 experts on quantized inputs)."""
     return _first(FORMAT_TILE_RULES[weights] + MOE_TILE_RULES, DEFAULT, T, D, I, E, activations)
@@ -158,7 +160,8 @@ def moe_tiles(T: int, D: int, I: int, E: int, weights: str = "full", activations
 CAPACITY_ROWS = MoeTiles(block_m=1, up_n=32, down_n=64)
 
 
-def capacity_tiles(C: int, D: int, I: int, E: int, weights: str = "full", activations: str = "full") -> MoeTiles:  # noqa: E741
+def capacity_tiles(C: int, D: int, I: int, E: int, weights: str = "full",  # noqa: E741
+                   activations: str = "full") -> MoeTiles:
     t = moe_tiles(C, D, I, E, weights, activations)
     return CAPACITY_ROWS if t.block_m == 1 and C > 1 else t
 
