@@ -167,7 +167,7 @@ def linear(x, w, bias=None, tiles=None, xq=None):
                                                                                 bias.stride(0) != 1):
         return F.linear(x, w, bias)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    rows = min(t.rows, GEMV_MAX_T)
+    rows = _rows(t, False)
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), 1, triton.cdiv(T, rows)), x, w, bias if bias is not None else y,
             y, T, N, K, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=rows,
             BLOCK_N=t.block_n,
@@ -268,7 +268,7 @@ def head_linear(x, w, tiles=None):
     if T > GEMV_MAX_T or x.stride(2) != 1:
         return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
     t = tiles or _tiles.head_tiles(T, N, K, w.stride(1) == 1)
-    rows = min(t.rows, GEMV_MAX_T)
+    rows = _rows(t, False)
     y = torch.empty(T, H, N, dtype=x.dtype, device=x.device)
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), H, triton.cdiv(T, rows)), x, w, y, y, T, N, K, x.stride(0),
            w.stride(1), y.stride(0), HAS_BIAS=False, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
