@@ -144,8 +144,8 @@ FIELDS: tuple[Field, ...] = (
        "weights before their PDL wait (the same bits; launch overlap differs)"),
     _f("overlap_shared", "capture", "capture.overlap_shared as configured: kernels=fused on CUDA runs a shared expert "
        "on a second stream beside the routed experts"),
-    _f("fuse_router", "capture", "capture.fuse_router as configured: kernels=fused runs a bias-free linear router with "
-       "the residual add and norm as one kernel"),
+    _f("fuse_router", "capture", "capture.fuse_router as configured: kernels=fused runs a router that is its own "
+       "linear (with or without a bias) with the residual add and norm as one kernel"),
     _f("precompile", "capture", "capture.precompile as configured: kernels=fused on Triton compiles its kernels on a "
        "thread pool before the first warmup (capture_s differs)"),
     # latency

@@ -362,6 +362,9 @@ def test_kernels_compile_for_hopper():
                                              BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=pdl))
     build(routers._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=True, CAST_LAST=False, BLOCK_D=2048, BLOCK_E=8,
                                            BLOCK_EP=128, USE_PDL=2))
+    # GPT-OSS's router in it: its bias, top-k then softmax
+    build(routers._norm_route_kernel, dict(K=4, NORM=False, HAS_SKEW=False, CAST_LAST=True, BLOCK_D=4096, BLOCK_E=2,
+                                           BLOCK_EP=32, USE_PDL=2, TOPK_FIRST=1), rb_ptr="*bf16")
     # the routers' shared packed-key top-k (int64 keys from fp32 bits)
     build(routers._route_kernel, dict(K=4, NORM=True, BLOCK_E=64, USE_PDL=2))
     for sm in (0, 1):  # sigmoid_group, softmax_group

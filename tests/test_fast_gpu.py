@@ -92,19 +92,22 @@ def test_moe_kernel_matches_reference_and_counts(shape, T):
                 assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())
 
 
-@pytest.mark.parametrize("shape", [(128, 8, 2048), (8, 2, 4096), (64, 8, 2048)], ids=["qwen3", "mixtral", "olmoe"])
+@pytest.mark.parametrize("shape", [(128, 8, 2048, None), (8, 2, 4096, None), (64, 8, 2048, None),
+                                   (32, 4, 2880, "topk_softmax"), (128, 4, 2880, "topk_softmax")],
+                         ids=["qwen3", "mixtral", "olmoe", "gpt_oss_20b", "gpt_oss_120b"])
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_norm_route_matches_reference(shape, T):
     """residual + norm + router GEMV + top-k in one kernel against add_rmsnorm, F.linear and the router reference:
     residual bit-equal, normed row close, the chosen experts equal on all but near-tie rows, weights close; twice
-    the same bits; the arrival counters back at zero."""
-    E, K, D = shape
+    the same bits; the arrival counters back at zero. GPT-OSS's router: its own bias, top-k then softmax."""
+    E, K, D, kind = shape
     g = torch.Generator(device="cuda").manual_seed(T)
     r = lambda *sh: torch.randn(*sh, device="cuda", generator=g).to(BF)  # noqa: E731
     a, res, nw, rw, skew = r(T, D), r(T, D), r(D), (r(E, D) / D ** 0.5).to(BF), r(E) * 0.1
+    kw = {"router_b": r(E) * 0.5, "kind": kind} if kind else {}
     for bias in (None, skew):
-        want = ref.norm_route(a, res, nw, 1e-6, rw, K, True, BF, logit_bias=bias)
-        got = tri.norm_route(a, res, nw, 1e-6, rw, K, True, BF, logit_bias=bias)
+        want = ref.norm_route(a, res, nw, 1e-6, rw, K, True, BF, logit_bias=bias, **kw)
+        got = tri.norm_route(a, res, nw, 1e-6, rw, K, True, BF, logit_bias=bias, **kw)
         assert torch.equal(got[0], want[0])  # the residual add: elementwise, the same roundings
         _close(got[1], want[1], 1e-2, 1e-2)  # the norm's statistics are summed in another order
         # the GEMV sums in another order than cuBLAS: a logit may move by one bf16 ulp, which reorders (near-)tied
@@ -115,7 +118,7 @@ def test_norm_route_matches_reference(shape, T):
         same = (got[2] == want[2]).all(-1)
         assert float(same.float().mean()) >= 0.75, float(same.float().mean())
         _close(got[3][same], want[3][same], 1e-2, 1e-2)
-        again = tri.norm_route(a, res, nw, 1e-6, rw, K, True, BF, logit_bias=bias)
+        again = tri.norm_route(a, res, nw, 1e-6, rw, K, True, BF, logit_bias=bias, **kw)
         assert all(torch.equal(x, y) for x, y in zip(got, again))
     assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())
 

@@ -195,19 +195,24 @@ def test_knobs_validated_and_recorded():
         detach(model)
 
 
-def test_fuse_router_off_same_tokens():
-    model = _model("mixtral_tiny")
+@pytest.mark.parametrize("preset", ["mixtral_tiny", "gpt_oss_tiny"])
+def test_fuse_router_off_same_tokens(preset):
+    """norm_route (Mixtral's softmax_topk; GPT-OSS's router with its bias, top-k then softmax) against add_rmsnorm +
+    the router GEMM + the router kernel: the same tokens and logits (the same torch ops, composed)."""
+    model = _model(preset)
     prompts = _prompts(model)
-    toks = []
+    outs = []
     attach(model, make_dispatcher("fused"), max_rows=4)
     try:
         for fuse in (True, False):
             eng = DecodeEngine(model, LEN, 4)
             eng.decode_forward = FastDecode(model, "torch", fuse_router=fuse)
-            toks.append(eng.generate(prompts, NEW, timing=False).tokens)
+            assert all(L.norm_route == fuse for L in eng.decode_forward.layers)
+            outs.append(eng.generate(prompts, NEW, timing=False, keep_logits=True))
     finally:
         detach(model)
-    assert torch.equal(*toks)
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert max(float((a - b).abs().max()) for a, b in zip(outs[0].logits, outs[1].logits)) < 1e-5
 
 
 def test_pdl_set_for_the_fused_step_only(monkeypatch):

@@ -67,8 +67,11 @@ for norm in (True, False):
     i2, w2 = tri.route(logits, K, norm, torch.float32)
     assert torch.equal(i1, i2)
     close(w1, w2)
-# residual + norm + router GEMV + top-k in one kernel, against the composition of the references
-for En, kw in ((8, {}), (12, {"logit_bias": torch.randn(12)}), (64, {"cast_last": True})):
+# residual + norm + router GEMV + top-k in one kernel, against the composition of the references; GPT-OSS's router:
+# its own bias (added before the logits' rounding) and top-k then softmax
+for En, kw in ((8, {}), (12, {"logit_bias": torch.randn(12)}), (64, {"cast_last": True}),
+               (12, {"router_b": torch.randn(12), "kind": "topk_softmax"}),
+               (32, {"router_b": torch.randn(32), "logit_bias": torch.randn(32), "kind": "topk_softmax"})):
     a_, r_, nw_, rw_ = torch.randn(T, D), torch.randn(T, D), torch.randn(D), torch.randn(En, D) / 8
     for norm in (True, False):
         got, want = tri.norm_route(a_, r_, nw_, 1e-6, rw_, K, norm, torch.float32, **kw), \

@@ -138,5 +138,7 @@ for preset, overrides in (("glm4_moe_tiny", {"n_group": 4, "topk_group": 2, "use
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.rand(buf.shape, generator=g) * 0.3)
     prompts = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
-    fused_backends_agree(model, prompts, 16, 5, preset)
+    steps = fused_backends_agree(model, prompts, 16, 5, preset)
+    if preset == "gpt_oss_tiny":  # its router (a bias, top-k then softmax) in norm_route
+        assert all(L.norm_route for s in steps for L in s.layers)
 print("ALL OK")

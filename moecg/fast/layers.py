@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from moecg import latent
+from moecg.kernels.ref import NORM_ROUTE_KINDS
 from moecg.models.adapter import FUSED_ROUTER_KINDS, UnsupportedConfigError
 from moecg.models.formats import BLOCK, BlockFp8, fuse_rows
 from moecg.models.skew import router_logit_bias
@@ -63,7 +64,7 @@ class FusedLayer:
     w_sdown: torch.Tensor | None = None  # [D, Is] shared expert's (or the dense MLP's) down projection
     wsh: object | None = None  # [2Is, D] block-FP8 shared gate | up (a BlockFp8): apart from wcat, which then holds
     #                            the shared gate logit and the router only
-    norm_route: bool = False  # the router is wcat alone (softmax_topk, no bias, no shared expert): ops.norm_route
+    norm_route: bool = False  # the router is wcat alone (+ bcat, its bias; no shared expert): ops.norm_route
     mla: latent.LatentAttention | None = None  # multi-head latent attention's weights (wqkv, q/k norms unused)
 
 
@@ -220,8 +221,8 @@ class LayerBuilder:
                 L.bcat = L.wcat.new_zeros(L.wcat.shape[0])  # [rows]: zeros but the router's, whose bias is copied
                 L.bcat[L.r0: L.r0 + L.n_experts] = logit_bias.detach()
                 self.owned_bytes += L.bcat.numel() * L.bcat.element_size()
-        L.norm_route = (self.fuse_router and L.r0 == 0 and L.wcat is not None and L.bcat is None
-                        and L.router_w32 is None and spec.kind == "softmax_topk" and (L.top_k & (L.top_k - 1)) == 0)
+        L.norm_route = (self.fuse_router and L.r0 == 0 and L.wcat is not None and L.router_w32 is None
+                        and spec.kind in NORM_ROUTE_KINDS and (L.top_k & (L.top_k - 1)) == 0)
 
     def _fuse(self, params, align: int = 1) -> torch.Tensor:
         cat, nbytes = fuse(params, align)

@@ -120,9 +120,9 @@ class FastDecode:
       (moecg.kernels.launch.PRELOAD); False: after it. Results are the same bits either way.
     overlap_shared: on CUDA the shared expert (silu-mul + down GEMM) runs on a second stream beside the routed
       experts, joined before the combine: at small batches neither fills the GPU alone (same kernels, same numbers).
-    fuse_router: a router that is its own bias-free linear (softmax_topk, power-of-two k, no shared expert beside
-      it) runs with the residual add and norm before it as one kernel (ops.norm_route); False: add_rmsnorm, GEMM,
-      router kernel.
+    fuse_router: a router that is its own linear, with or without a bias (softmax_topk or topk_softmax,
+      power-of-two k, no shared expert beside it), runs with the residual add and norm before it as one kernel
+      (ops.norm_route); False: add_rmsnorm, GEMM, router kernel.
     """
 
     per_row_positions = True
@@ -295,9 +295,10 @@ class FastDecode:
             a = ops.linear_partials(o, L.wo, L.bo, xq=oq)  # [T, S, D]: S split-K partial rows, or the output
             pq, nq = self._post_q[i], self._in_q[i + 1]  # quant: the next GEMMs take fp8_dynamic inputs
             if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel
+                rb = L.bcat[: L.n_experts] if L.bcat is not None else None  # the router's own bias (GPT-OSS)
                 res, h, idx, w, hq = _q(ops.norm_route(a, res, L.post_w, L.post_eps, L.wcat[: L.n_experts], L.top_k,
                                                        L.norm_topk, L.route_dtype, router_logit_bias(L.router),
-                                                       cast_last=cl, quant=pq), pq)
+                                                       cast_last=cl, quant=pq, router_b=rb, kind=L.route.kind), pq)
             else:
                 res, h, hq = _q(ops.add_rmsnorm(a, res, L.post_w, L.post_eps, cast_last=cl, quant=pq), pq)
             nw, neps = (self.layers[i + 1].in_w, self.layers[i + 1].in_eps) if i + 1 < n else (self.norm_w,

@@ -215,17 +215,25 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
     return idx, w.to(out_dtype)
 
 
+NORM_ROUTE_KINDS = ("softmax_topk", "topk_softmax")  # router kinds (moecg.models.adapter.ROUTER_KINDS) norm_route runs
+
+
 def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize: bool, out_dtype, logit_bias=None,
-               cast_last: bool = False, quant: bool = False):
+               cast_last: bool = False, quant: bool = False, router_b=None, kind: str = "softmax_topk"):
     """a [T, D] or [T, S, D] (the attention output, or its partial rows: linear_partials), residual [T, D] -> (new
-    residual, normed [T, D], idx [T, K], weights [T, K]): add_rmsnorm, the router linear (router_w [E, D], no bias;
-    output in the model dtype), + logit_bias [E] (moecg's router skew, in the logits' dtype), softmax_topk. quant:
-    normed's act_quant too, last (as add_rmsnorm's)."""
+    residual, normed [T, D], idx [T, K], weights [T, K]): add_rmsnorm, the router linear (router_w [E, D], its own
+    bias router_b [E] or none; output in the model dtype), + logit_bias [E] (moecg's router skew, in the logits'
+    dtype), then the router kind's choice: softmax_topk (route: softmax, top-k, normalize) or topk_softmax
+    (route_topk_softmax: top-k of the logits, softmax over those k; normalize and out_dtype unused, the weights in the
+    logits' dtype). quant: normed's act_quant too, last (as add_rmsnorm's)."""
     res, h = add_rmsnorm(a[:, None] if a.dim() == 2 else a, residual, weight, eps, cast_last=cast_last)
-    logits = torch.nn.functional.linear(h, router_w)
+    logits = torch.nn.functional.linear(h, router_w, router_b)
     if logit_bias is not None:
         logits = logits + logit_bias.to(logits.dtype)
-    idx, w = route(logits, top_k, normalize, out_dtype)
+    if kind not in NORM_ROUTE_KINDS:
+        raise ValueError(f"norm_route: router kind {kind!r} is not one of {NORM_ROUTE_KINDS}")
+    idx, w = route_topk_softmax(logits, top_k) if kind == "topk_softmax" else route(logits, top_k, normalize,
+                                                                                     out_dtype)
     return (res, h, idx, w, act_quant(h)) if quant else (res, h, idx, w)
 
 

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, split_sems
 from moecg.kernels.quant import act_quant_out, quant_block, store_act_quant
+from moecg.kernels.ref import NORM_ROUTE_KINDS
 
 
 # router: softmax (fp32) + top-k + optional renormalisation, one program per token
@@ -93,11 +94,11 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
     return idx, w
 
 
-# residual add + RMSNorm + router GEMV + softmax_topk in one kernel (a layer whose router is its own linear: Mixtral,
-# Qwen3-MoE, OLMoE). Grid (row, block of experts): every program loads the whole row and its experts' weight rows
-# at once, recomputes the row's norm and dots it with them (rounded to the model dtype, as the router linear's
-# output); program 0 of the row writes the new residual and the normed row; the row's last program to finish (an
-# arrival counter) runs the softmax/top-k over the row's logits, as the router kernel does. A first version looped
+# residual add + RMSNorm + router GEMV + softmax_topk / topk_softmax in one kernel (a layer whose router is its own
+# linear: Mixtral, Qwen3-MoE, OLMoE; GPT-OSS's with its bias, TOPK_FIRST). Grid (row, block of experts): every program loads the whole row and its experts' weight rows
+# at once, recomputes the row's norm and dots it with them (+ the router's bias in fp32, rounded to the model dtype,
+# as the router linear's output); program 0 of the row writes the new residual and the normed row; the row's last program to finish (an
+# arrival counter) runs the softmax/top-k (or top-k/softmax) over the row's logits, as the router kernels do. A first version looped
 # over D in 256-wide chunks, two passes: 12.2 us per call at Qwen3-30B-A3B's shape, bs 1, on the H200, slower than
 # the three kernels it replaced (latency of 16 dependent load rounds).
 @triton.jit(do_not_specialize=["T"])
@@ -105,7 +106,8 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
                        w_ptr, T, D, E, eps, s_at, s_rt, s_rwe, s_ort, s_ot, K: tl.constexpr, NORM: tl.constexpr,
                        HAS_SKEW: tl.constexpr, CAST_LAST: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_EP: tl.constexpr, USE_PDL: tl.constexpr = 0, KK: tl.constexpr = 1,
-                       s_ak=0, PRELOAD: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+                       s_ak=0, PRELOAD: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, rb_ptr=None,
+                       TOPK_FIRST: tl.constexpr = 0):
     t = tl.program_id(0)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -117,6 +119,8 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
     pdl_enter(USE_PDL * (1 - PRELOAD))
     wr = tl.load(rw_ptr + e[:, None] * s_rwe + kk[None, :], mask=em[:, None] & km[None, :], other=0.0)
     nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+    if rb_ptr is not None:
+        rb = tl.load(rb_ptr + e, mask=em, other=0.0).to(tl.float32)
     pdl_enter(USE_PDL * PRELOAD)
     a = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(KK):  # the projection's split-K partial rows (one: its output), added in order
@@ -134,6 +138,8 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
         if q_ptr is not None:  # quant: h's act_quant too, for the experts' fp8_dynamic GEMMs
             store_act_quant(h, t, 0, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D)
     lg = tl.sum(wr.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+    if rb_ptr is not None:
+        lg += rb
     lg = lg.to(dt).to(tl.float32)  # the router linear's output dtype
     if HAS_SKEW:
         lg = (lg + tl.load(sb_ptr + e, mask=em, other=0.0).to(dt).to(tl.float32)).to(dt).to(tl.float32)
@@ -144,7 +150,10 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
         ea = tl.arange(0, BLOCK_EP)
         eam = ea < E
         x = tl.load(lg_ptr + t * E + ea, mask=eam, other=float("-inf"), cache_modifier=".cg")
-        ids, vals = _softmax_topk(x, ea, eam, K, NORM, BLOCK_EP)
+        if TOPK_FIRST:
+            ids, vals = _topk_softmax(x, ea, eam, K, K, BLOCK_EP)
+        else:
+            ids, vals = _softmax_topk(x, ea, eam, K, NORM, BLOCK_EP)
         kk2 = tl.arange(0, K)
         tl.store(idx_ptr + t * K + kk2, ids)
         tl.store(w_ptr + t * K + kk2, vals.to(w_ptr.dtype.element_ty))
@@ -153,7 +162,7 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
 
 @dry_zeros
 def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize: bool, out_dtype, logit_bias=None,
-               cast_last: bool = False, quant: bool = False):
+               cast_last: bool = False, quant: bool = False, router_b=None, kind: str = "softmax_topk"):
     """As ref.norm_route; quant: h's act_quant too, last (quant.store_act_quant, from the first router block's
     programs)."""
     if a.dim() == 2:
@@ -163,12 +172,14 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
     assert a.stride(2) == 1 and residual.stride(1) == 1 and router_w.stride(1) == 1 and weight.is_contiguous()
     assert top_k & (top_k - 1) == 0, "top_k must be a power of two for the Triton router"
     assert logit_bias is None or logit_bias.is_contiguous()
+    assert router_b is None or (router_b.is_contiguous() and router_b.shape == (E,))
+    assert kind in NORM_ROUTE_KINDS, kind
     dt = residual.dtype
     new_res = torch.empty(T, D, dtype=dt, device=a.device)
     normed = torch.empty(T, D, dtype=dt, device=a.device)
     lg = torch.empty(T, E, dtype=torch.float32, device=a.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=a.device)
-    w = torch.empty(T, top_k, dtype=out_dtype, device=a.device)
+    w = torch.empty(T, top_k, dtype=dt if kind == "topk_softmax" else out_dtype, device=a.device)  # as ref's
     be = max(2, min(p2(E) // 16, 16384 // p2(D)))  # ~16 programs per row, at most 16k weights in registers
     nb = triton.cdiv(E, be)
     sems = split_sems(a.device, T, "norm_route")
@@ -177,7 +188,8 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
         a, residual, weight, router_w, logit_bias if logit_bias is not None else lg, lg, sems, new_res, normed, idx, w,
         T, D, E, eps, a.stride(0), residual.stride(0), router_w.stride(0), new_res.stride(0), normed.stride(0),
         K=top_k, NORM=normalize, HAS_SKEW=logit_bias is not None, CAST_LAST=cast_last, BLOCK_D=quant_block(D, quant),
-        BLOCK_E=be, BLOCK_EP=p2(E), num_warps=8, KK=KK, s_ak=a.stride(1), **qargs, **pdl_args(a.device, preload=True))
+        BLOCK_E=be, BLOCK_EP=p2(E), num_warps=8, KK=KK, s_ak=a.stride(1), **qargs, rb_ptr=router_b,
+        TOPK_FIRST=int(kind == "topk_softmax"), **pdl_args(a.device, preload=True))
     return (new_res, normed, idx, w, *extra)
 
 
@@ -268,6 +280,17 @@ def route_softmax_group(logits, top_k: int, n_group: int, topk_group: int, scali
 
 
 # topk_softmax router (GPT-OSS): top-k of the logits, softmax over those k (fp32, rounded once to the logits' dtype)
+@triton.jit
+def _topk_softmax(x, e, em, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr):
+    """topk_softmax of one row of logits x [BLOCK_E] (fp32; lanes past E masked by em) -> (ids [KP], weights [KP] fp32;
+    past K: 0 and 0)."""
+    kk = tl.arange(0, KP)
+    ids, best = _topk_keys(tl.where(em, _order_key(x, e, BLOCK_E), _KEY_NONE), e, K, KP, BLOCK_E)
+    vals = tl.where(kk < K, _key_value(best), float("-inf"))
+    p = tl.exp(vals - tl.max(vals, axis=0))
+    return ids, p / tl.sum(p, axis=0)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _route_topk_softmax_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, KP: tl.constexpr,
                                BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0):
@@ -277,10 +300,7 @@ def _route_topk_softmax_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constex
     em = e < E
     x = tl.load(lg_ptr + t * s_lt + e, mask=em, other=float("-inf")).to(tl.float32)
     kk = tl.arange(0, KP)
-    ids, best = _topk_keys(tl.where(em, _order_key(x, e, BLOCK_E), _KEY_NONE), e, K, KP, BLOCK_E)
-    vals = tl.where(kk < K, _key_value(best), float("-inf"))
-    p = tl.exp(vals - tl.max(vals, axis=0))
-    p = p / tl.sum(p, axis=0)
+    ids, p = _topk_softmax(x, e, em, K, KP, BLOCK_E)
     tl.store(idx_ptr + t * K + kk, ids, mask=kk < K)
     tl.store(w_ptr + t * K + kk, p.to(w_ptr.dtype.element_ty), mask=kk < K)
 
