@@ -175,8 +175,10 @@ def test_tile_table():
                                                                                         "fp8_dynamic")
     assert TileRule(DEFAULT, activations=("full",)).holds(1, 1, 1, 1) and not TileRule(
         DEFAULT, activations=("full",)).holds(1, 1, 1, 1, "fp8_dynamic")
-    # bf16 experts: GPT-OSS's at any batch, Qwen1.5's and GLM-4.5-Air's at batch 1 on 32 columns
-    assert moe_tiles(8, 2880, 2880, 32) == moe_tiles(1, 2880, 2880, 128) == MoeTiles(up_n=32, stages=3)
+    # bf16 experts: GPT-OSS's at any batch (128 down columns at 8-15 rows), Qwen1.5's and GLM-4.5-Air's at batch 1
+    # on 32 columns
+    assert moe_tiles(16, 2880, 2880, 32) == moe_tiles(1, 2880, 2880, 128) == MoeTiles(up_n=32, stages=3)
+    assert moe_tiles(8, 2880, 2880, 32) == moe_tiles(15, 2880, 2880, 32) == MoeTiles(up_n=32, stages=3, down_n=128)
     assert moe_tiles(1, 2048, 1408, 60) == moe_tiles(1, 4096, 1408, 128) == MoeTiles(up_n=32)
     assert moe_tiles(2, 2048, 1408, 60) == moe_tiles(1, 2048, 1408, 64) == moe_tiles(1, 2048, 768, 128) == DEFAULT
     rule = TileRule(MoeTiles(block_m=32), tokens=(17, 65), hidden=(2048, 2049))

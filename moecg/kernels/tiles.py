@@ -88,6 +88,10 @@ FULL_MOE_TILE_RULES: tuple[TileRule, ...] = (
     # twice the programs; the 12-layer GPT-OSS-20B step 1.972 -> 1.637 ms at bs 1, 5.454 -> 4.449 at bs 8, the same bits
     # (bench_step_variants.py on an H200, experiments/results/step_variants/tiles_gpt_oss_20b.md). 256-wide K steps
     # on the paired 128-column tile at 3 stages ran 12-19x slower (24 ms a step): keep paired tiles <= 64 x 256.
+    # At 8 rows (about 20 of 32 experts hit, 45 column blocks of 64 each) 128-column down programs: the same step on one
+    # H100 5.416 -> 5.332 / 5.330 ms in two runs; at bs 1 1.839 -> 1.930 and at bs 16 7.009 -> 7.021, not taken there
+    # (experiments/results/gpt_oss_router/); 9-15 rows take it unmeasured. The same bits.
+    TileRule(MoeTiles(up_n=32, stages=3, down_n=128), tokens=(8, 16), hidden=(2880, 2881), inter=(2880, 2881)),
     TileRule(MoeTiles(up_n=32, stages=3), hidden=(2880, 2881), inter=(2880, 2881)),
     # At batch 1, Qwen1.5-MoE's experts (D 2048, I 1408, 60) and GLM-4.5-Air's (D 4096, I 1408): 32 columns, twice
     # the programs; Qwen1.5 24 layers 1.832 -> 1.780 ms, GLM-4.5-Air 8 layers 1.651 -> 1.620 (two runs each). Not on
