@@ -89,8 +89,12 @@ FULL_MOE_TILE_RULES: tuple[TileRule, ...] = (
     # (bench_step_variants.py on an H200, experiments/results/step_variants/tiles_gpt_oss_20b.md). 256-wide K steps
     # on the paired 128-column tile at 3 stages ran 12-19x slower (24 ms a step): keep paired tiles <= 64 x 256.
     # At 8 rows (about 20 of 32 experts hit, 45 column blocks of 64 each) 128-column down programs: the same step on one
-    # H100 5.416 -> 5.332 / 5.330 ms in two runs; at bs 1 1.839 -> 1.930 and at bs 16 7.009 -> 7.021, not taken there
-    # (experiments/results/gpt_oss_router/); 9-15 rows take it unmeasured. The same bits.
+    # H100 5.416 -> 5.332 / 5.330 ms in two runs; at bs 1 1.839 -> 1.930 and at bs 16 7.009 -> 7.021, not taken there;
+    # 9-15 rows take it unmeasured. At bs 1, 32 columns (360 down programs where 180 made 1.4 waves on 132 SMs):
+    # 1.841 -> 1.809 ms (-1.7%; predicted -6% from the waves alone: the down kernel went 35.1 -> 32.8 us a layer, 2.0
+    # TB/s, so the waves were not what bounds it), without PDL 1.855 -> 1.842, and on an H200 earlier 1.699 -> 1.670
+    # (experiments/results/gpt_oss_router/, step_variants/tiles_up32_gpt_oss_20b.md). The same bits.
+    TileRule(MoeTiles(up_n=32, stages=3, down_n=32), tokens=(1, 2), hidden=(2880, 2881), inter=(2880, 2881)),
     TileRule(MoeTiles(up_n=32, stages=3, down_n=128), tokens=(8, 16), hidden=(2880, 2881), inter=(2880, 2881)),
     TileRule(MoeTiles(up_n=32, stages=3), hidden=(2880, 2881), inter=(2880, 2881)),
     # At batch 1, Qwen1.5-MoE's experts (D 2048, I 1408, 60) and GLM-4.5-Air's (D 4096, I 1408): 32 columns, twice
