@@ -179,6 +179,12 @@ def test_tile_table():
     # on 32 columns
     assert moe_tiles(16, 2880, 2880, 32) == moe_tiles(2, 2880, 2880, 128) == MoeTiles(up_n=32, stages=3)
     assert moe_tiles(1, 2880, 2880, 32) == MoeTiles(up_n=32, stages=3, down_n=32)
+    # (the dropless kernels' only: the capacity kernels at C 1 keep 64 columns)
+    assert capacity_tiles(1, 2880, 2880, 32) == MoeTiles(up_n=32, stages=3)
+    assert capacity_tiles(8, 2880, 2880, 32) == moe_tiles(8, 2880, 2880, 32)
+    assert not TileRule(DEFAULT, kernels=("dropless",)).holds(1, 1, 1, 1, kernel="capacity")
+    with pytest.raises(ValueError, match="kernel"):
+        moe_tiles(1, 2880, 2880, 32, kernel="grouped")
     assert moe_tiles(8, 2880, 2880, 32) == moe_tiles(15, 2880, 2880, 32) == MoeTiles(up_n=32, stages=3, down_n=128)
     assert moe_tiles(1, 2048, 1408, 60) == moe_tiles(1, 4096, 1408, 128) == MoeTiles(up_n=32)
     assert moe_tiles(2, 2048, 1408, 60) == moe_tiles(1, 2048, 1408, 64) == moe_tiles(1, 2048, 768, 128) == DEFAULT

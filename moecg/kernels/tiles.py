@@ -45,6 +45,9 @@ class MoeTiles:
     paired: bool = True  # interleaved gate/up columns (GPT-OSS) as one 2 x up_n tile (False: two stride-2 loads)
 
 
+KERNELS = ("dropless", "capacity")  # moe.moe_experts (T rows), capacity.capacity_experts (C slots an expert)
+
+
 @dataclass(frozen=True)
 class TileRule:
     tiles: MoeTiles
@@ -54,9 +57,11 @@ class TileRule:
     experts: tuple = _ANY  # E
     weight: tuple = _ANY  # I*D, the elements of one expert's projection: what a decode GEMM streams
     activations: tuple = ("full", "fp8_dynamic")  # model.activations: how block-FP8 experts take their inputs
+    kernels: tuple = KERNELS  # the kernel families the rule serves (measured on one alone: that one)
 
-    def holds(self, T: int, D: int, I: int, E: int, activations: str = "full") -> bool:  # noqa: E741
-        return activations in self.activations and _within(
+    def holds(self, T: int, D: int, I: int, E: int, activations: str = "full",  # noqa: E741
+              kernel: str = "dropless") -> bool:
+        return activations in self.activations and kernel in self.kernels and _within(
             (T, self.tokens), (D, self.hidden), (I, self.inter), (E, self.experts), (I * D, self.weight))
 
 
@@ -93,8 +98,11 @@ FULL_MOE_TILE_RULES: tuple[TileRule, ...] = (
     # 9-15 rows take it unmeasured. At bs 1, 32 columns (360 down programs where 180 made 1.4 waves on 132 SMs):
     # 1.841 -> 1.809 ms (-1.7%; predicted -6% from the waves alone: the down kernel went 35.1 -> 32.8 us a layer, 2.0
     # TB/s, so the waves were not what bounds it), without PDL 1.855 -> 1.842, and on an H200 earlier 1.699 -> 1.670
-    # (experiments/results/gpt_oss_router/, step_variants/tiles_up32_gpt_oss_20b.md). The same bits.
-    TileRule(MoeTiles(up_n=32, stages=3, down_n=32), tokens=(1, 2), hidden=(2880, 2881), inter=(2880, 2881)),
+    # (experiments/results/gpt_oss_router/, step_variants/tiles_up32_gpt_oss_20b.md). The same bits. Not for the
+    # capacity kernels at C 1 (their grid: every expert's slots): capacity+fused at bs 1 went 7.95 -> 8.35 ms with it
+    # (and the router change of the same commit; the router alone not measured there).
+    TileRule(MoeTiles(up_n=32, stages=3, down_n=32), tokens=(1, 2), hidden=(2880, 2881), inter=(2880, 2881),
+             kernels=("dropless",)),
     TileRule(MoeTiles(up_n=32, stages=3, down_n=128), tokens=(8, 16), hidden=(2880, 2881), inter=(2880, 2881)),
     TileRule(MoeTiles(up_n=32, stages=3), hidden=(2880, 2881), inter=(2880, 2881)),
     # At batch 1, Qwen1.5-MoE's experts (D 2048, I 1408, 60) and GLM-4.5-Air's (D 4096, I 1408): 32 columns, twice
@@ -155,10 +163,13 @@ FORMAT_TILE_RULES = {"full": FULL_MOE_TILE_RULES, "fp8_block": FP8_MOE_TILE_RULE
 
 
 def moe_tiles(T: int, D: int, I: int, E: int, weights: str = "full",  # noqa: E741
-              activations: str = "full") -> MoeTiles:
+              activations: str = "full", kernel: str = "dropless") -> MoeTiles:
     """weights: the experts' format (model.weights: full, fp8_block, mxfp4), whose rules come first; activations:
-    model.activations (fp8_dynamic: block-FP8 experts on quantized inputs)."""
-    return _first(FORMAT_TILE_RULES[weights] + MOE_TILE_RULES, DEFAULT, T, D, I, E, activations)
+    model.activations (fp8_dynamic: block-FP8 experts on quantized inputs); kernel: which kernels ask (KERNELS; the
+    capacity kernels through capacity_tiles)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"moe_tiles: kernel {kernel!r} is not one of {KERNELS}")
+    return _first(FORMAT_TILE_RULES[weights] + MOE_TILE_RULES, DEFAULT, T, D, I, E, activations, kernel)
 
 
 # The capacity kernels' tiles: the table's for C rows in the format, but where those are one row a program and C > 1
@@ -170,7 +181,7 @@ CAPACITY_ROWS = MoeTiles(block_m=1, up_n=32, down_n=64)
 
 def capacity_tiles(C: int, D: int, I: int, E: int, weights: str = "full",  # noqa: E741
                    activations: str = "full") -> MoeTiles:
-    t = moe_tiles(C, D, I, E, weights, activations)
+    t = moe_tiles(C, D, I, E, weights, activations, "capacity")
     return CAPACITY_ROWS if t.block_m == 1 and C > 1 else t
 
 
