@@ -145,7 +145,7 @@ FIELDS: tuple[Field, ...] = (
     _f("overlap_shared", "capture", "capture.overlap_shared as configured: kernels=fused on CUDA runs a shared expert "
        "on a second stream beside the routed experts"),
     _f("fuse_router", "capture", "capture.fuse_router as configured: kernels=fused runs a router that is its own "
-       "linear (with or without a bias), or an fp32 group router, with the residual add and norm as one kernel"),
+       "linear (with or without a bias) with the residual add and norm as one kernel"),
     _f("precompile", "capture", "capture.precompile as configured: kernels=fused on Triton compiles its kernels on a "
        "thread pool before the first warmup (capture_s differs)"),
     # latency

@@ -175,8 +175,8 @@ def test_tile_table():
                                                                                         "fp8_dynamic")
     assert TileRule(DEFAULT, activations=("full",)).holds(1, 1, 1, 1) and not TileRule(
         DEFAULT, activations=("full",)).holds(1, 1, 1, 1, "fp8_dynamic")
-    # bf16 experts: GPT-OSS's at any batch (32 down columns at 1 row, 128 at 8-15), Qwen1.5's and GLM-4.5-Air's at
-    # batch 1 on 32 columns
+    # bf16 experts: GPT-OSS's at any batch (32 down columns at 1 row, 128 at 8-15), Qwen1.5's and GLM-4.5-Air's at batch 1
+    # on 32 columns
     assert moe_tiles(16, 2880, 2880, 32) == moe_tiles(2, 2880, 2880, 128) == MoeTiles(up_n=32, stages=3)
     assert moe_tiles(1, 2880, 2880, 32) == MoeTiles(up_n=32, stages=3, down_n=32)
     # (the dropless kernels' only: the capacity kernels at C 1 keep 64 columns)
@@ -373,13 +373,7 @@ def test_kernels_compile_for_hopper():
                                            BLOCK_EP=128, USE_PDL=2))
     # GPT-OSS's router in it: its bias, top-k then softmax
     build(routers._norm_route_kernel, dict(K=4, NORM=False, HAS_SKEW=False, CAST_LAST=True, BLOCK_D=4096, BLOCK_E=2,
-                                           BLOCK_EP=32, USE_PDL=2, ROUTE=1, KP=4), rb_ptr="*bf16")
-    # the fp32 group routers in it (DeepSeek-V3 / GLM: sigmoid_group with the correction bias; V2: softmax_group, k 6)
-    build(routers._norm_route_kernel, dict(K=8, NORM=True, HAS_SKEW=True, CAST_LAST=False, BLOCK_D=8192, BLOCK_E=2,
-                                           BLOCK_EP=256, USE_PDL=2, ROUTE=2, LG32=1, KP=8, NG=8, NGP=8, TOPKG=4,
-                                           HAS_CB=1), rw_ptr="*fp32", cb_ptr="*fp32")
-    build(routers._norm_route_kernel, dict(K=6, NORM=False, HAS_SKEW=False, CAST_LAST=False, BLOCK_D=2048, BLOCK_E=4,
-                                           BLOCK_EP=64, USE_PDL=2, ROUTE=3, LG32=1, KP=8))
+                                           BLOCK_EP=32, USE_PDL=2, TOPK_FIRST=1), rb_ptr="*bf16")
     # the routers' shared packed-key top-k (int64 keys from fp32 bits)
     build(routers._route_kernel, dict(K=4, NORM=True, BLOCK_E=64, USE_PDL=2))
     for sm in (0, 1):  # sigmoid_group, softmax_group

@@ -93,28 +93,18 @@ def test_moe_kernel_matches_reference_and_counts(shape, T):
 
 
 @pytest.mark.parametrize("shape", [(128, 8, 2048, None), (8, 2, 4096, None), (64, 8, 2048, None),
-                                   (32, 4, 2880, "topk_softmax"), (128, 4, 2880, "topk_softmax"),
-                                   (64, 6, 2048, "softmax_group"), (256, 8, 7168, "sigmoid_group"),
-                                   (128, 8, 4096, "sigmoid_group")],
-                         ids=["qwen3", "mixtral", "olmoe", "gpt_oss_20b", "gpt_oss_120b", "v2_lite", "v3", "glm_air"])
+                                   (32, 4, 2880, "topk_softmax"), (128, 4, 2880, "topk_softmax")],
+                         ids=["qwen3", "mixtral", "olmoe", "gpt_oss_20b", "gpt_oss_120b"])
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_norm_route_matches_reference(shape, T):
     """residual + norm + router GEMV + top-k in one kernel against add_rmsnorm, F.linear and the router reference:
     residual bit-equal, normed row close, the chosen experts equal on all but near-tie rows, weights close; twice
-    the same bits; the arrival counters back at zero. GPT-OSS's router: its own bias, top-k then softmax; DeepSeek's
-    and GLM's: fp32 logits (V3's and GLM's fp32 weight and correction bias, V3's 8 groups of which 4 kept), the group
-    choice, fp32 weights."""
+    the same bits; the arrival counters back at zero. GPT-OSS's router: its own bias, top-k then softmax."""
     E, K, D, kind = shape
     g = torch.Generator(device="cuda").manual_seed(T)
     r = lambda *sh: torch.randn(*sh, device="cuda", generator=g).to(BF)  # noqa: E731
     a, res, nw, rw, skew = r(T, D), r(T, D), r(D), (r(E, D) / D ** 0.5).to(BF), r(E) * 0.1
-    kw = {"router_b": r(E) * 0.5, "kind": kind} if kind == "topk_softmax" else {}
-    if kind in ("sigmoid_group", "softmax_group"):
-        ng = 8 if E == 256 else 1
-        kw = dict(kind=kind, logits_fp32=True, scaling=2.5, n_group=ng, topk_group=max(1, ng // 2))
-        if kind == "sigmoid_group":  # the weight in fp32 as HF keeps it, the correction bias
-            rw = rw.float()
-            kw["choice_bias"] = torch.rand(E, device="cuda", generator=g) * 0.3
+    kw = {"router_b": r(E) * 0.5, "kind": kind} if kind else {}
     for bias in (None, skew):
         want = ref.norm_route(a, res, nw, 1e-6, rw, K, True, BF, logit_bias=bias, **kw)
         got = tri.norm_route(a, res, nw, 1e-6, rw, K, True, BF, logit_bias=bias, **kw)
@@ -123,17 +113,11 @@ def test_norm_route_matches_reference(shape, T):
         # the GEMV sums in another order than cuBLAS: a logit may move by one bf16 ulp, which reorders (near-)tied
         # experts within a row's top k (seen at T=64: 81-89% of rows in the same order) and rarely swaps the k-th;
         # the chosen sets must agree on 90% of the rows and their weights wherever the order agrees
-        # (the group routers' reference, as HF's, leaves its top k unsorted: compare sets, weights in expert order)
-        (ids_g, pg), (ids_w, pw) = got[2].sort(-1), want[2].sort(-1)
+        ids_g, ids_w = got[2].sort(-1).values, want[2].sort(-1).values
         assert float((ids_g == ids_w).all(-1).float().mean()) >= 0.9
-        if kind in ("sigmoid_group", "softmax_group"):
-            same = (ids_g == ids_w).all(-1)
-            _close(got[3].gather(1, pg)[same], want[3].gather(1, pw)[same], 1e-2, 1e-2)
-            assert got[3].dtype == want[3].dtype == torch.float32
-        else:
-            same = (got[2] == want[2]).all(-1)
-            assert float(same.float().mean()) >= 0.75, float(same.float().mean())
-            _close(got[3][same], want[3][same], 1e-2, 1e-2)
+        same = (got[2] == want[2]).all(-1)
+        assert float(same.float().mean()) >= 0.75, float(same.float().mean())
+        _close(got[3][same], want[3][same], 1e-2, 1e-2)
         again = tri.norm_route(a, res, nw, 1e-6, rw, K, True, BF, logit_bias=bias, **kw)
         assert all(torch.equal(x, y) for x, y in zip(got, again))
     assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())

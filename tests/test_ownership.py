@@ -26,16 +26,13 @@ def _prompts(model, n=3, seed=0):
     return torch.randint(0, model.config.vocab_size, (n, S), generator=torch.Generator().manual_seed(seed))
 
 
-def _model(preset, overrides=None):
-    model = build_model(preset, dtype="fp32", device="cpu", seed=2, config_overrides=overrides).model
+def _model(preset):
+    model = build_model(preset, dtype="fp32", device="cpu", seed=2).model
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():  # HF initialises biases to zero, which would hide one that a path drops or moves
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.rand(buf.shape, generator=g) * 0.3)
         model(_prompts(model, 1))  # HF installs its output-recording hooks at the first forward: before the snapshot
     return model
 
@@ -198,18 +195,11 @@ def test_knobs_validated_and_recorded():
         detach(model)
 
 
-@pytest.mark.parametrize("preset,overrides", [
-    ("mixtral_tiny", {}), ("gpt_oss_tiny", {}), ("glm4_moe_tiny", {"n_group": 4, "topk_group": 2}),
-    ("deepseek_v3_tiny", {}), ("deepseek_v2_tiny", {}),
-    ("deepseek_v2_tiny", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
-                          "routed_scaling_factor": 2.5})],
-    ids=["mixtral", "gpt_oss", "glm4_groups", "v3", "v2", "v2_groups"])
-def test_fuse_router_off_same_tokens(preset, overrides):
-    """norm_route (Mixtral's softmax_topk; GPT-OSS's router with its bias, top-k then softmax; the fp32 group routers
-    of GLM and DeepSeek-V3 (sigmoid_group, their correction biases) and DeepSeek-V2 (softmax_group), a shared expert
-    beside them) against add_rmsnorm + the router GEMM + the router kernel: the same tokens and logits (the same torch
-    ops, composed)."""
-    model = _model(preset, overrides)
+@pytest.mark.parametrize("preset", ["mixtral_tiny", "gpt_oss_tiny"])
+def test_fuse_router_off_same_tokens(preset):
+    """norm_route (Mixtral's softmax_topk; GPT-OSS's router with its bias, top-k then softmax) against add_rmsnorm +
+    the router GEMM + the router kernel: the same tokens and logits (the same torch ops, composed)."""
+    model = _model(preset)
     prompts = _prompts(model)
     outs = []
     attach(model, make_dispatcher("fused"), max_rows=4)
@@ -217,7 +207,7 @@ def test_fuse_router_off_same_tokens(preset, overrides):
         for fuse in (True, False):
             eng = DecodeEngine(model, LEN, 4)
             eng.decode_forward = FastDecode(model, "torch", fuse_router=fuse)
-            assert all(L.norm_route == fuse for L in eng.decode_forward.layers if L.experts is not None)
+            assert all(L.norm_route == fuse for L in eng.decode_forward.layers)
             outs.append(eng.generate(prompts, NEW, timing=False, keep_logits=True))
     finally:
         detach(model)

@@ -42,8 +42,8 @@ class CaptureConfig:
     # tile at batch 1) loaded before each kernel's PDL wait, beside the kernel before it; the same bits either way
     preload: Any = True
     overlap_shared: Any = True  # kernels=fused on CUDA: the shared expert on a second stream beside the routed experts
-    # kernels=fused: a router that is its own linear (with or without a bias), or an fp32 group router, runs with the
-    # residual add and norm as one kernel
+    # kernels=fused: a router that is its own linear (with or without a bias) runs with the residual add and norm as
+    # one kernel
     fuse_router: Any = True
     # kernels=fused on Triton: compile every bucket's kernels on a thread pool before the first warmup
     precompile: Any = True

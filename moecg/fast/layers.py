@@ -64,7 +64,7 @@ class FusedLayer:
     w_sdown: torch.Tensor | None = None  # [D, Is] shared expert's (or the dense MLP's) down projection
     wsh: object | None = None  # [2Is, D] block-FP8 shared gate | up (a BlockFp8): apart from wcat, which then holds
     #                            the shared gate logit and the router only
-    norm_route: bool = False  # ops.norm_route routes (the router is wcat alone, or router_w32): LayerBuilder._moe
+    norm_route: bool = False  # the router is wcat alone (+ bcat, its bias; no shared expert): ops.norm_route
     mla: latent.LatentAttention | None = None  # multi-head latent attention's weights (wqkv, q/k norms unused)
 
 
@@ -221,13 +221,8 @@ class LayerBuilder:
                 L.bcat = L.wcat.new_zeros(L.wcat.shape[0])  # [rows]: zeros but the router's, whose bias is copied
                 L.bcat[L.r0: L.r0 + L.n_experts] = logit_bias.detach()
                 self.owned_bytes += L.bcat.numel() * L.bcat.element_size()
-        # norm_route: a router that is wcat alone (+ bcat, its bias; top-k a power of two), or an fp32 group router
-        # (its own weight, router_w32), with the residual add and norm before it as one kernel
-        group = spec.kind in ("sigmoid_group", "softmax_group")
-        lone = L.r0 == 0 and L.wcat is not None and L.router_w32 is None and not group and \
-            (L.top_k & (L.top_k - 1)) == 0
-        L.norm_route = self.fuse_router and spec.kind in NORM_ROUTE_KINDS and (
-            lone or (group and L.router_w32 is not None))
+        L.norm_route = (self.fuse_router and L.r0 == 0 and L.wcat is not None and L.router_w32 is None
+                        and spec.kind in NORM_ROUTE_KINDS and (L.top_k & (L.top_k - 1)) == 0)
 
     def _fuse(self, params, align: int = 1) -> torch.Tensor:
         cat, nbytes = fuse(params, align)

@@ -11,8 +11,7 @@ large kernels, each with a pure-PyTorch reference (`moecg.kernels.ref`) and a Tr
              in the kernel) | o GEMM | residual add + RMSNorm | router (+ shared expert gate/up + its gate) GEMM
              (one) | router kernel | [shared SiLU-mul | shared down GEMM, on a second stream] | routed experts
              (dispatcher) | shared gate + residual + next RMSNorm; a router that is its own linear (no shared
-             expert in its GEMM), or an fp32 group router, runs residual add + RMSNorm + router GEMV + its choice as
-             one kernel (norm_route)
+             expert) runs residual add + RMSNorm + router GEMV + top-k as one kernel (norm_route)
   dense layers: ... | gate/up GEMM (one) | SiLU-mul | down GEMM | residual + next RMSNorm
   Every projection GEMM runs ops.linear: the Triton GEMV where moecg.kernels.tiles' table has a rule for its
   (T, N, K), else cuBLAS (a block-FP8 weight: always the Triton GEMV). With fp8_dynamic inputs (model.activations)
@@ -122,9 +121,8 @@ class FastDecode:
     overlap_shared: on CUDA the shared expert (silu-mul + down GEMM) runs on a second stream beside the routed
       experts, joined before the combine: at small batches neither fills the GPU alone (same kernels, same numbers).
     fuse_router: a router that is its own linear, with or without a bias (softmax_topk or topk_softmax,
-      power-of-two k, no shared expert in its GEMM), or an fp32 group router (sigmoid_group, softmax_group) runs
-      with the residual add and norm before it as one kernel (ops.norm_route); False: add_rmsnorm, GEMM, router
-      kernel.
+      power-of-two k, no shared expert beside it), runs with the residual add and norm before it as one kernel
+      (ops.norm_route); False: add_rmsnorm, GEMM, router kernel.
     """
 
     per_row_positions = True
@@ -296,14 +294,11 @@ class FastDecode:
                            self._o_q[i])  # [T, Hq*Dh]
             a = ops.linear_partials(o, L.wo, L.bo, xq=oq)  # [T, S, D]: S split-K partial rows, or the output
             pq, nq = self._post_q[i], self._in_q[i + 1]  # quant: the next GEMMs take fp8_dynamic inputs
-            if L.norm_route:  # residual + norm + router GEMV + the router's choice: one kernel
-                s, w32 = L.route, L.router_w32
+            if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel
                 rb = L.bcat[: L.n_experts] if L.bcat is not None else None  # the router's own bias (GPT-OSS)
-                res, h, idx, w, hq = _q(ops.norm_route(
-                    a, res, L.post_w, L.post_eps, w32 if w32 is not None else L.wcat[: L.n_experts], L.top_k,
-                    L.norm_topk, L.route_dtype, router_logit_bias(L.router), cast_last=cl, quant=pq, router_b=rb,
-                    kind=s.kind, logits_fp32=w32 is not None, choice_bias=L.choice_bias, n_group=s.n_group,
-                    topk_group=s.topk_group, scaling=s.scaling), pq)
+                res, h, idx, w, hq = _q(ops.norm_route(a, res, L.post_w, L.post_eps, L.wcat[: L.n_experts], L.top_k,
+                                                       L.norm_topk, L.route_dtype, router_logit_bias(L.router),
+                                                       cast_last=cl, quant=pq, router_b=rb, kind=L.route.kind), pq)
             else:
                 res, h, hq = _q(ops.add_rmsnorm(a, res, L.post_w, L.post_eps, cast_last=cl, quant=pq), pq)
             nw, neps = (self.layers[i + 1].in_w, self.layers[i + 1].in_eps) if i + 1 < n else (self.norm_w,
@@ -316,15 +311,13 @@ class FastDecode:
                                                        quant=self._down_q[i]), self._down_q[i])  # [T, D]
                 res, h, hq = _q(ops.add_rmsnorm(y[:, None], res, nw, neps, cast_last=cl, quant=nq), nq)
                 continue
-            # the concatenated GEMM: the shared expert's rows (+ its gate) (+ the router's, where it is not routed yet)
-            z = None
-            if L.wcat is not None and not (L.norm_route and L.router_w32 is None):  # (else wcat is the router alone)
-                z = ops.linear(h, L.wcat, L.bcat, xq=hq)  # [T, 2Is (+1) (+ E)]
-            side = self._side_stream() if L.shared_inter else None  # the shared expert's stream
-            if side is not None:  # fork: the shared expert starts once z exists, the routing goes on here
-                main = torch.cuda.current_stream(self.device)
-                side.wait_stream(main)
-            if not L.norm_route:  # (norm_route layers have their idx, w already)
+            side = None  # the shared expert's stream, once forked
+            if not L.norm_route:  # (norm_route layers have their idx, w already, and no shared expert)
+                z = ops.linear(h, L.wcat, L.bcat, xq=hq) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
+                side = self._side_stream() if L.shared_inter else None
+                if side is not None:  # fork: the shared expert starts once z exists, the routing goes on here
+                    main = torch.cuda.current_stream(self.device)
+                    side.wait_stream(main)
                 if L.router_w32 is not None:
                     logits = ops.router_logits(h, L.router_w32)  # [T, E] fp32, as HF's router
                 else:

@@ -215,37 +215,25 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
     return idx, w.to(out_dtype)
 
 
-# router kinds (moecg.models.adapter.ROUTER_KINDS) norm_route runs, in the order of the Triton kernel's ROUTE
-NORM_ROUTE_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_group", "softmax_group")
+NORM_ROUTE_KINDS = ("softmax_topk", "topk_softmax")  # router kinds (moecg.models.adapter.ROUTER_KINDS) norm_route runs
 
 
 def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize: bool, out_dtype, logit_bias=None,
-               cast_last: bool = False, quant: bool = False, router_b=None, kind: str = "softmax_topk",
-               logits_fp32: bool = False, choice_bias=None, n_group: int = 1, topk_group: int = 1,
-               scaling: float = 1.0):
+               cast_last: bool = False, quant: bool = False, router_b=None, kind: str = "softmax_topk"):
     """a [T, D] or [T, S, D] (the attention output, or its partial rows: linear_partials), residual [T, D] -> (new
     residual, normed [T, D], idx [T, K], weights [T, K]): add_rmsnorm, the router linear (router_w [E, D], its own
-    bias router_b [E] or none; output in the model dtype, or with logits_fp32 router_logits' fp32), + logit_bias [E]
-    (moecg's router skew, in the logits' dtype), then the router kind's choice (NORM_ROUTE_KINDS): softmax_topk
-    (route), topk_softmax (route_topk_softmax: normalize and out_dtype unused, the weights in the logits' dtype),
-    sigmoid_group (route_sigmoid_group with choice_bias, n_group, topk_group, normalize, scaling) or softmax_group
-    (route_softmax_group; fp32 weights). quant: normed's act_quant too, last (as add_rmsnorm's)."""
-    if kind not in NORM_ROUTE_KINDS:
-        raise ValueError(f"norm_route: router kind {kind!r} is not one of {NORM_ROUTE_KINDS}")
-    if logits_fp32 and router_b is not None:
-        raise ValueError("norm_route: an fp32 router's bias is not modelled (router_logits has none)")
+    bias router_b [E] or none; output in the model dtype), + logit_bias [E] (moecg's router skew, in the logits'
+    dtype), then the router kind's choice: softmax_topk (route: softmax, top-k, normalize) or topk_softmax
+    (route_topk_softmax: top-k of the logits, softmax over those k; normalize and out_dtype unused, the weights in the
+    logits' dtype). quant: normed's act_quant too, last (as add_rmsnorm's)."""
     res, h = add_rmsnorm(a[:, None] if a.dim() == 2 else a, residual, weight, eps, cast_last=cast_last)
-    logits = router_logits(h, router_w) if logits_fp32 else torch.nn.functional.linear(h, router_w, router_b)
+    logits = torch.nn.functional.linear(h, router_w, router_b)
     if logit_bias is not None:
         logits = logits + logit_bias.to(logits.dtype)
-    if kind == "topk_softmax":
-        idx, w = route_topk_softmax(logits, top_k)
-    elif kind == "sigmoid_group":
-        idx, w = route_sigmoid_group(logits, choice_bias, top_k, n_group, topk_group, normalize, scaling)
-    elif kind == "softmax_group":
-        idx, w = route_softmax_group(logits, top_k, n_group, topk_group, scaling)
-    else:
-        idx, w = route(logits, top_k, normalize, out_dtype)
+    if kind not in NORM_ROUTE_KINDS:
+        raise ValueError(f"norm_route: router kind {kind!r} is not one of {NORM_ROUTE_KINDS}")
+    idx, w = route_topk_softmax(logits, top_k) if kind == "topk_softmax" else route(logits, top_k, normalize,
+                                                                                     out_dtype)
     return (res, h, idx, w, act_quant(h)) if quant else (res, h, idx, w)
 
 

@@ -94,25 +94,20 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
     return idx, w
 
 
-# residual add + RMSNorm + router GEMV + the router's choice in one kernel: a layer whose router is its own linear
-# (Mixtral, Qwen3-MoE, OLMoE: softmax_topk; GPT-OSS's with its bias: topk_softmax) or an fp32 group router (DeepSeek,
-# GLM: sigmoid_group / softmax_group on fp32 logits, LG32; its shared expert's GEMM runs after, on the normed row).
-# ROUTE: the kind's index in ref.NORM_ROUTE_KINDS. Grid (row, block of experts): every program loads the whole row
-# and its experts' weight rows at once, recomputes the row's norm and dots it with them (+ the router's bias in fp32;
-# rounded to the model dtype, as the router linear's output, unless LG32); program 0 of the row writes the new
-# residual and the normed row; the row's last program to finish (an arrival counter) runs the choice over the row's
-# logits, as the router kernels do. A first version looped over D in 256-wide chunks, two passes: 12.2 us per call
-# at Qwen3-30B-A3B's shape, bs 1, on the H200, slower than the three kernels it replaced (latency of 16 dependent
-# load rounds).
+# residual add + RMSNorm + router GEMV + softmax_topk / topk_softmax in one kernel (a layer whose router is its own
+# linear: Mixtral, Qwen3-MoE, OLMoE; GPT-OSS's with its bias, TOPK_FIRST). Grid (row, block of experts): every program loads the whole row and its experts' weight rows
+# at once, recomputes the row's norm and dots it with them (+ the router's bias in fp32, rounded to the model dtype,
+# as the router linear's output); program 0 of the row writes the new residual and the normed row; the row's last program to finish (an
+# arrival counter) runs the softmax/top-k (or top-k/softmax) over the row's logits, as the router kernels do. A first version looped
+# over D in 256-wide chunks, two passes: 12.2 us per call at Qwen3-30B-A3B's shape, bs 1, on the H200, slower than
+# the three kernels it replaced (latency of 16 dependent load rounds).
 @triton.jit(do_not_specialize=["T"])
 def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, out_res_ptr, out_ptr, idx_ptr,
                        w_ptr, T, D, E, eps, s_at, s_rt, s_rwe, s_ort, s_ot, K: tl.constexpr, NORM: tl.constexpr,
                        HAS_SKEW: tl.constexpr, CAST_LAST: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_EP: tl.constexpr, USE_PDL: tl.constexpr = 0, KK: tl.constexpr = 1,
                        s_ak=0, PRELOAD: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, rb_ptr=None,
-                       ROUTE: tl.constexpr = 0, LG32: tl.constexpr = 0, cb_ptr=None, scaling=1.0,
-                       KP: tl.constexpr = 1, NG: tl.constexpr = 1, NGP: tl.constexpr = 1, TOPKG: tl.constexpr = 1,
-                       HAS_CB: tl.constexpr = 0):
+                       TOPK_FIRST: tl.constexpr = 0):
     t = tl.program_id(0)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -142,16 +137,12 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
         tl.store(out_ptr + t * s_ot + kk, h, mask=km)
         if q_ptr is not None:  # quant: h's act_quant too, for the experts' fp8_dynamic GEMMs
             store_act_quant(h, t, 0, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D)
-    lg = tl.sum(wr.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)  # exact fp32 products of h as rounded
+    lg = tl.sum(wr.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
     if rb_ptr is not None:
         lg += rb
-    if LG32:  # an fp32 router (DeepSeek, GLM): fp32 logits, the skew added in fp32
-        if HAS_SKEW:
-            lg = lg + tl.load(sb_ptr + e, mask=em, other=0.0).to(tl.float32)
-    else:
-        lg = lg.to(dt).to(tl.float32)  # the router linear's output dtype
-        if HAS_SKEW:
-            lg = (lg + tl.load(sb_ptr + e, mask=em, other=0.0).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    lg = lg.to(dt).to(tl.float32)  # the router linear's output dtype
+    if HAS_SKEW:
+        lg = (lg + tl.load(sb_ptr + e, mask=em, other=0.0).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     tl.store(lg_ptr + t * E + e, lg, mask=em)
     tl.debug_barrier()
     done = tl.atomic_add(sem_ptr + t, 1, sem="acq_rel", scope="gpu")
@@ -159,26 +150,19 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
         ea = tl.arange(0, BLOCK_EP)
         eam = ea < E
         x = tl.load(lg_ptr + t * E + ea, mask=eam, other=float("-inf"), cache_modifier=".cg")
-        if ROUTE == 0:  # softmax_topk (K a power of two)
+        if TOPK_FIRST:
+            ids, vals = _topk_softmax(x, ea, eam, K, K, BLOCK_EP)
+        else:
             ids, vals = _softmax_topk(x, ea, eam, K, NORM, BLOCK_EP)
-            kk2 = tl.arange(0, K)
-        elif ROUTE == 1:  # topk_softmax (KP: K's next power of two)
-            ids, vals = _topk_softmax(x, ea, eam, K, KP, BLOCK_EP)
-            kk2 = tl.arange(0, KP)
-        else:  # sigmoid_group (2), softmax_group (3)
-            ids, vals = _group_choice(x, cb_ptr, ea, eam, E, scaling, K, KP, NG, NGP, TOPKG, NORM, HAS_CB,
-                                      BLOCK_EP, ROUTE == 3)
-            kk2 = tl.arange(0, KP)
-        tl.store(idx_ptr + t * K + kk2, ids, mask=kk2 < K)
-        tl.store(w_ptr + t * K + kk2, vals.to(w_ptr.dtype.element_ty), mask=kk2 < K)
+        kk2 = tl.arange(0, K)
+        tl.store(idx_ptr + t * K + kk2, ids)
+        tl.store(w_ptr + t * K + kk2, vals.to(w_ptr.dtype.element_ty))
         tl.store(sem_ptr + t, 0)  # zero again for the next call (and graph replay)
 
 
 @dry_zeros
 def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize: bool, out_dtype, logit_bias=None,
-               cast_last: bool = False, quant: bool = False, router_b=None, kind: str = "softmax_topk",
-               logits_fp32: bool = False, choice_bias=None, n_group: int = 1, topk_group: int = 1,
-               scaling: float = 1.0):
+               cast_last: bool = False, quant: bool = False, router_b=None, kind: str = "softmax_topk"):
     """As ref.norm_route; quant: h's act_quant too, last (quant.store_act_quant, from the first router block's
     programs)."""
     if a.dim() == 2:
@@ -186,21 +170,16 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
     T, KK, D = a.shape  # KK partial rows (linear_partials) or one
     E = router_w.shape[0]
     assert a.stride(2) == 1 and residual.stride(1) == 1 and router_w.stride(1) == 1 and weight.is_contiguous()
-    assert kind in NORM_ROUTE_KINDS, kind
-    group = kind in ("sigmoid_group", "softmax_group")
-    assert group or top_k & (top_k - 1) == 0, "top_k must be a power of two for the Triton softmax_topk router"
+    assert top_k & (top_k - 1) == 0, "top_k must be a power of two for the Triton router"
     assert logit_bias is None or logit_bias.is_contiguous()
     assert router_b is None or (router_b.is_contiguous() and router_b.shape == (E,))
-    assert choice_bias is None or choice_bias.is_contiguous()
-    assert not group or (logits_fp32 and E % n_group == 0), "the group routers take fp32 logits"
-    assert not (logits_fp32 and router_b is not None), "an fp32 router's bias is not modelled"
+    assert kind in NORM_ROUTE_KINDS, kind
     dt = residual.dtype
     new_res = torch.empty(T, D, dtype=dt, device=a.device)
     normed = torch.empty(T, D, dtype=dt, device=a.device)
     lg = torch.empty(T, E, dtype=torch.float32, device=a.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=a.device)
-    w_dt = dt if kind == "topk_softmax" else torch.float32 if group else out_dtype  # as ref's
-    w = torch.empty(T, top_k, dtype=w_dt, device=a.device)
+    w = torch.empty(T, top_k, dtype=dt if kind == "topk_softmax" else out_dtype, device=a.device)  # as ref's
     be = max(2, min(p2(E) // 16, 16384 // p2(D)))  # ~16 programs per row, at most 16k weights in registers
     nb = triton.cdiv(E, be)
     sems = split_sems(a.device, T, "norm_route")
@@ -210,9 +189,7 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
         T, D, E, eps, a.stride(0), residual.stride(0), router_w.stride(0), new_res.stride(0), normed.stride(0),
         K=top_k, NORM=normalize, HAS_SKEW=logit_bias is not None, CAST_LAST=cast_last, BLOCK_D=quant_block(D, quant),
         BLOCK_E=be, BLOCK_EP=p2(E), num_warps=8, KK=KK, s_ak=a.stride(1), **qargs, rb_ptr=router_b,
-        ROUTE=NORM_ROUTE_KINDS.index(kind), LG32=int(logits_fp32), cb_ptr=choice_bias, scaling=float(scaling),
-        KP=p2(top_k), NG=n_group, NGP=p2(n_group), TOPKG=topk_group, HAS_CB=int(choice_bias is not None),
-        **pdl_args(a.device, preload=True))
+        TOPK_FIRST=int(kind == "topk_softmax"), **pdl_args(a.device, preload=True))
     return (new_res, normed, idx, w, *extra)
 
 
@@ -221,12 +198,16 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
 # (DeepSeek-V2): softmax over all experts (fp32), groups scored by their best expert, never renormalised (NORM False).
 # Every top-k is an argmax loop over the row in registers (E <= a few hundred), ties to the lowest index; the K
 # columns come out in descending order of the (biased) score (HF's are unsorted).
-@triton.jit
-def _group_choice(x, b_ptr, e, em, E, scaling, K: tl.constexpr, KP: tl.constexpr, NG: tl.constexpr,
-                  NGP: tl.constexpr, TOPKG: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK_E: tl.constexpr, SOFTMAX: tl.constexpr):
-    """A group-limited router's choice for one row of fp32 logits x [BLOCK_E] (lanes past E masked by em) -> (ids
-    [KP], weights [KP] fp32; past K: 0). Shared by _route_group_kernel and norm_route's last program."""
+@triton.jit(do_not_specialize=["T"])
+def _route_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scaling,
+                        K: tl.constexpr, KP: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
+                        TOPKG: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_E: tl.constexpr, SOFTMAX: tl.constexpr = 0, USE_PDL: tl.constexpr = 0):
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    x = tl.load(lg_ptr + t * s_lt + e, mask=em, other=0.0).to(tl.float32)
     if SOFTMAX:
         x = tl.where(em, x, float("-inf"))
         p = tl.exp(x - tl.max(x, axis=0))
@@ -267,21 +248,7 @@ def _group_choice(x, b_ptr, e, em, E, scaling, K: tl.constexpr, KP: tl.constexpr
     ws = tl.sum(tl.where((e[None, :] == ids[:, None]) & (kk < K)[:, None], wsrc[None, :], 0.0), axis=1)
     if NORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
-    return ids, ws * scaling
-
-
-@triton.jit(do_not_specialize=["T"])
-def _route_group_kernel(lg_ptr, b_ptr, idx_ptr, w_ptr, T, E, s_lt, scaling,
-                        K: tl.constexpr, KP: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
-                        TOPKG: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK_E: tl.constexpr, SOFTMAX: tl.constexpr = 0, USE_PDL: tl.constexpr = 0):
-    pdl_enter(USE_PDL)
-    t = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    em = e < E
-    x = tl.load(lg_ptr + t * s_lt + e, mask=em, other=0.0).to(tl.float32)
-    ids, ws = _group_choice(x, b_ptr, e, em, E, scaling, K, KP, NG, NGP, TOPKG, NORM, HAS_BIAS, BLOCK_E, SOFTMAX)
-    kk = tl.arange(0, KP)
+    ws = ws * scaling
     tl.store(idx_ptr + t * K + kk, ids, mask=kk < K)
     tl.store(w_ptr + t * K + kk, ws, mask=kk < K)
 
