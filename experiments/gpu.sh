@@ -190,6 +190,19 @@ suite_down_tiles() {  # the MoE down kernel's columns at 16-64 rows: Qwen3-30B-A
   variant qwen3_24_a8_profile qwen3_30b_a3b 24 --weights fp8_block --activations fp8_dynamic --batch 64 --repeats 3 \
     --variants $D_STEP $D_NO --profile $D_NO
 }
+suite_gpt_oss_router() {  # GPT-OSS's router in norm_route against add_rmsnorm + GEMM + router kernel, its MoE down columns at bs 1 / 8 / 16 (12 layers, bf16 and mxfp4), capacity+fused beside; the per-kernel profile; the router's GPU tests
+  bench gpt_oss_router
+  local D_NO=slot+overlap+router+gemv D_NR=slot+overlap+gemv+pdl  # PDL off; the router unfused
+  t gpu_tests.log python3 -m pytest -q -m gpu tests/test_fast_gpu.py -k "norm_route or gpt_oss" | \
+    grep -E "passed|failed|FAILED" | tail -4
+  variant router_gpt_oss_20b gpt_oss_20b 12 --batch 1 8 16 --repeats 3 --variants $D_STEP $D_NR \
+    $D_STEP+down_n=32 $D_STEP+down_n=64 $D_STEP+down_n=128
+  variant router_gpt_oss_120b gpt_oss_120b 12 --weights mxfp4 --batch 1 8 --repeats 3 --variants $D_STEP $D_NR
+  variant profile_gpt_oss_20b gpt_oss_20b 12 --batch 1 8 --repeats 3 --variants $D_STEP $D_NO --profile $D_NO
+  t capacity_gpt_oss_20b.log vs_compile --preset gpt_oss_20b --num-layers 12 --batch 1 8 --buckets 1 8 \
+    --strategies full+fused capacity+fused --skip-hf-generate --skip-compile --repeats 2 --new-tokens 16 \
+    --out "$D/capacity_gpt_oss_20b.md" --json "$D/capacity_gpt_oss_20b.json" | grep -E "own floor|failed|Error"
+}
 suite_row_grid() {  # mxfp4 experts on one-row tiles (row grid) against tl.dot_scaled and 32 x 64 columns, GPT-OSS 12 layers, bs 1-64; its GPU tests
   bench row_grid
   t gpu_tests.log python3 -m pytest -q -m gpu tests/test_weights_gpu.py tests/test_act_gpu.py \
