@@ -175,8 +175,8 @@ def test_tile_table():
                                                                                         "fp8_dynamic")
     assert TileRule(DEFAULT, activations=("full",)).holds(1, 1, 1, 1) and not TileRule(
         DEFAULT, activations=("full",)).holds(1, 1, 1, 1, "fp8_dynamic")
-    # bf16 experts: GPT-OSS's at any batch (32 down columns at 1 row, 128 at 8-15), Qwen1.5's and GLM-4.5-Air's at batch 1
-    # on 32 columns
+    # bf16 experts: GPT-OSS's at any batch (32 down columns at 1 row, 128 at 8-15), Qwen1.5's and GLM-4.5-Air's at
+    # batch 1 on 32 columns
     assert moe_tiles(16, 2880, 2880, 32) == moe_tiles(2, 2880, 2880, 128) == MoeTiles(up_n=32, stages=3)
     assert moe_tiles(1, 2880, 2880, 32) == MoeTiles(up_n=32, stages=3, down_n=32)
     # (the dropless kernels' only: the capacity kernels at C 1 keep 64 columns)

@@ -94,13 +94,14 @@ def route(logits, top_k: int, normalize: bool, out_dtype):
     return idx, w
 
 
-# residual add + RMSNorm + router GEMV + softmax_topk / topk_softmax in one kernel (a layer whose router is its own
-# linear: Mixtral, Qwen3-MoE, OLMoE; GPT-OSS's with its bias, TOPK_FIRST). Grid (row, block of experts): every program loads the whole row and its experts' weight rows
-# at once, recomputes the row's norm and dots it with them (+ the router's bias in fp32, rounded to the model dtype,
-# as the router linear's output); program 0 of the row writes the new residual and the normed row; the row's last program to finish (an
-# arrival counter) runs the softmax/top-k (or top-k/softmax) over the row's logits, as the router kernels do. A first version looped
-# over D in 256-wide chunks, two passes: 12.2 us per call at Qwen3-30B-A3B's shape, bs 1, on the H200, slower than
-# the three kernels it replaced (latency of 16 dependent load rounds).
+# residual add + RMSNorm + router GEMV + the router's choice in one kernel, for a layer whose router is its own linear
+# (Mixtral, Qwen3-MoE, OLMoE: softmax_topk; GPT-OSS's with its bias: topk_softmax, TOPK_FIRST). Grid (row, block of
+# experts): every program loads the whole row and its experts' weight rows at once, recomputes the row's norm and dots
+# it with them (+ the router's bias in fp32; rounded to the model dtype, as the router linear's output); program 0 of
+# the row writes the new residual and the normed row; the row's last program to finish (an arrival counter) runs the
+# softmax/top-k (or top-k/softmax) over the row's logits, as the router kernels do. A first version looped over D in
+# 256-wide chunks, two passes: 12.2 us per call at Qwen3-30B-A3B's shape, bs 1, on the H200, slower than the three
+# kernels it replaced (latency of 16 dependent load rounds).
 @triton.jit(do_not_specialize=["T"])
 def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, out_res_ptr, out_ptr, idx_ptr,
                        w_ptr, T, D, E, eps, s_at, s_rt, s_rwe, s_ort, s_ot, K: tl.constexpr, NORM: tl.constexpr,
