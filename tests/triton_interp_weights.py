@@ -4,9 +4,9 @@ reference-dequantized weights (it dequantizes in registers as the reference does
 match the PyTorch dequantize-then-matmul reference within 1e-4: the GEMV (any T, bias, scale groups of 128 and of
 fewer rows), the dropless MoE kernels (expert and slot grids, split-K down, pad rows, counters) and the capacity
 kernels; the same MoE and capacity kernels on mxfp4 experts (K steps of one and of several 32-column scale groups,
-a ragged last one), the products of both on the CUDA cores (fewer than 16 rows a program) in every format, GPT-OSS's experts arithmetic on bf16 activations at several output tilings (the same
-bits; one row a program on the CUDA cores within bf16 rounding) and GPT-OSS's transposed, biased, interleaved
-experts in mxfp4 through the whole fused step.
+a ragged last one), the products of both on the CUDA cores (fewer than 16 rows a program) in every format, GPT-OSS's
+experts arithmetic on bf16 activations at several output tilings (the same bits; one row a program on the CUDA cores
+within bf16 rounding) and GPT-OSS's transposed, biased, interleaved experts in mxfp4 through the whole fused step.
 Prints ALL OK when every check passes; any mismatch raises.
 Dims: T tokens, K top-k, E experts, D hidden, I expert intermediate, N/K a projection's.
 """

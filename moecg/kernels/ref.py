@@ -226,12 +226,12 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
     dtype), then the router kind's choice: softmax_topk (route: softmax, top-k, normalize) or topk_softmax
     (route_topk_softmax: top-k of the logits, softmax over those k; normalize and out_dtype unused, the weights in the
     logits' dtype). quant: normed's act_quant too, last (as add_rmsnorm's)."""
+    if kind not in NORM_ROUTE_KINDS:
+        raise ValueError(f"norm_route: router kind {kind!r} is not one of {NORM_ROUTE_KINDS}")
     res, h = add_rmsnorm(a[:, None] if a.dim() == 2 else a, residual, weight, eps, cast_last=cast_last)
     logits = torch.nn.functional.linear(h, router_w, router_b)
     if logit_bias is not None:
         logits = logits + logit_bias.to(logits.dtype)
-    if kind not in NORM_ROUTE_KINDS:
-        raise ValueError(f"norm_route: router kind {kind!r} is not one of {NORM_ROUTE_KINDS}")
     idx, w = route_topk_softmax(logits, top_k) if kind == "topk_softmax" else route(logits, top_k, normalize,
                                                                                      out_dtype)
     return (res, h, idx, w, act_quant(h)) if quant else (res, h, idx, w)

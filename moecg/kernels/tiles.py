@@ -1,9 +1,10 @@
 """Tile choices of the MoE expert kernels, as one table keyed by shape and passed to the kernels as arguments.
 
 Dims: T tokens (rows of the step: the captured bucket), D hidden, I expert intermediate, E experts.
-`moe_tiles(T, D, I, E, weights, activations)` walks the experts' format's rules (FORMAT_TILE_RULES), then
+`moe_tiles(T, D, I, E, weights, activations, kernel)` walks the experts' format's rules (FORMAT_TILE_RULES), then
 MOE_TILE_RULES, in order and returns the tiles of the first rule whose ranges hold the shape (each range half-open,
-[lo, hi)) and whose activations hold model.activations; DEFAULT where none does. Both kernel families read it in their
+[lo, hi)), whose activations hold model.activations and whose kernels hold the asking kernel family (KERNELS);
+DEFAULT where none does. Both kernel families read it in their
 weights' format: the dropless kernels (`moe.moe_experts`) with T, the most rows an expert gets, and the capacity
 kernels (`capacity.capacity_experts`, through `capacity_tiles`) with C, the most an expert's slots hold (C = 1 at most
 decode sizes), which run the same GEMM tiles on other rows. A caller that sweeps tiles passes `tiles=MoeTiles(...)`
