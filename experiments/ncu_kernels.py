@@ -7,7 +7,10 @@ issue-slot use, warp stall reasons, occupancy).
 
 Every op runs twice first (compilation, autotuning-free warm calls), then once between cudaProfilerStart/Stop, so
 ncu sees exactly one launch of each kernel (ncu flushes the caches before each pass: the weights come from HBM).
---ops picks the ops (names printed in launch order); the tiles are the tables' own (moecg.kernels.tiles).
+--ops picks the ops (names printed in launch order); the tiles are the tables' own (moecg.kernels.tiles), or the MoE
+kernels' with --moe-tiles overrides (e.g. down_n=64,down_k=256). --shape gpt_oss: GPT-OSS-20B's layer (D 2880, I
+2880, 32 experts, top 4; its experts as HF stores them: [E, D, 2I] interleaved gate/up and [E, I, D] down, biased,
+clamped SwiGLU) in place of Qwen3-30B-A3B's.
 
 --time instead times the GEMVs (no ncu): us per call in a CUDA graph of back-to-back calls, once cycling a ring of
 weight copies larger than L2 (each call streams its weight from HBM, as in the step) and once on one copy (after the
@@ -22,15 +25,22 @@ import sys
 import torch
 
 from moecg.kernels import triton_ops as tri
+from moecg.kernels.tiles import moe_tiles
+from moecg.models.adapter import ExpertSpec
 from moecg.models.formats import ACTIVATIONS, quantize_stacked
 
 BF = torch.bfloat16
 
 
-def ops(D=2048, I=768, E=128, K=8, qkv=5120, o_in=4096, T=1, activations="full"):
+SHAPES = {"qwen3": dict(D=2048, I=768, E=128, K=8, qkv=5120, o_in=4096),
+          "gpt_oss": dict(D=2880, I=2880, E=32, K=4, qkv=5120, o_in=4096, gpt_oss=True)}
+
+
+def ops(D=2048, I=768, E=128, K=8, qkv=5120, o_in=4096, T=1, activations="full", gpt_oss=False, moe_tiles=None):
     """The ops by name; T rows (routed to K distinct experts each); activations: the block-FP8 GEMMs' inputs (full
     or fp8_dynamic, quantized as the step's producers would: by quantize_rows on 16-row tiles, in the kernel on
-    the CUDA-core ones)."""
+    the CUDA-core ones). gpt_oss: the experts in GPT-OSS's layout and activation (bf16 only); moe_tiles: a
+    MoeTiles for the MoE kernels (None: the table's)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rnd = lambda *s: (torch.randn(*s, device="cuda", generator=g) * 0.02).to(BF)  # noqa: E731
     x = rnd(T, D) * 50
@@ -39,6 +49,12 @@ def ops(D=2048, I=768, E=128, K=8, qkv=5120, o_in=4096, T=1, activations="full")
     gu, dn = rnd(E, 2 * I, D), rnd(E, D, I)
     idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
     w = torch.rand(T, K, device="cuda", generator=g).to(BF)
+    if gpt_oss:  # HF's GptOssExperts: [E, D, 2I] (g0 u0 g1 u1 ...) and [E, I, D], biases, alpha 1.702, limit 7
+        spec = ExpertSpec("swiglu_clamp", interleaved=True, transposed=True, has_bias=True, alpha=1.702, limit=7.0)
+        gu, dn = gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous()
+        kw = dict(spec=spec, gate_up_bias=rnd(E, 2 * I), down_bias=rnd(E, D), tiles=moe_tiles)
+        return {"qkv_bf16": lambda: tri.linear(x, wq), "o_bf16": lambda: tri.linear(xo, wo),
+                "moe_bf16": lambda: tri.moe_experts(x, idx, w, gu, dn, **kw)}
     q = {n: dataclasses.replace(quantize_stacked(t.float(), p, BF), act=activations)
          for n, t, p in (("wq", wq, 1), ("wo", wo, 1), ("gu", gu, 2), ("dn", dn, 1))}
     return {
@@ -46,8 +62,8 @@ def ops(D=2048, I=768, E=128, K=8, qkv=5120, o_in=4096, T=1, activations="full")
         "qkv_fp8": lambda: tri.linear(x, q["wq"]),
         "o_bf16": lambda: tri.linear(xo, wo),
         "o_fp8": lambda: tri.linear(xo, q["wo"]),
-        "moe_bf16": lambda: tri.moe_experts(x, idx, w, gu, dn),
-        "moe_fp8": lambda: tri.moe_experts(x, idx, w, q["gu"], q["dn"]),
+        "moe_bf16": lambda: tri.moe_experts(x, idx, w, gu, dn, tiles=moe_tiles),
+        "moe_fp8": lambda: tri.moe_experts(x, idx, w, q["gu"], q["dn"], tiles=moe_tiles),
     }
 
 
@@ -79,13 +95,20 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=1, help="rows of every op (the step's batch)")
     ap.add_argument("--activations", default="full", choices=ACTIVATIONS,
                     help="the block-FP8 ops' inputs (model.activations)")
+    ap.add_argument("--shape", default="qwen3", choices=list(SHAPES), help="whose layer (the module docstring)")
+    ap.add_argument("--moe-tiles", default=None, help="MoeTiles fields for the MoE kernels, e.g. down_n=64,down_k=256")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("ncu_kernels.py launches CUDA kernels: run it on a GPU")
     if args.time:
         time_l2()
         return 0
-    table = ops(T=args.tokens, activations=args.activations)
+    mt = None
+    if args.moe_tiles:
+        f = {k: int(v) for k, v in (kv.split("=") for kv in args.moe_tiles.split(","))}
+        mt = dataclasses.replace(moe_tiles(args.tokens, SHAPES[args.shape]["D"], SHAPES[args.shape]["I"],
+                                           SHAPES[args.shape]["E"]), **f)
+    table = ops(**SHAPES[args.shape], T=args.tokens, activations=args.activations, moe_tiles=mt)
     names = args.ops or list(table)
     for n in names:
         table[n]()

@@ -98,13 +98,15 @@ for Tm in (1, 3, 20):  # 20 tokens: two row blocks per expert
         close(ref.moe_experts(x, idx, wts, gate_up, down, v, c1), tri.moe_experts(x, idx, wts, gate_up, down, v, c2))
         assert torch.equal(c1.routed, c2.routed) and torch.equal(c1.tokens, c2.tokens)
         close(c1.routed_mass, c2.routed_mass)
-        # both grids (a program per expert / per assignment) and the split-K down GEMM with its in-kernel fix-up
-        for grid, split in (("expert", 3), ("slot", 1), ("slot", 2)):
+        # both grids (a program per expert / per assignment) and the split-K down and up GEMMs with their in-kernel
+        # fix-ups (D 64 at 32-wide K steps: 2 up splits; 3 asked gives 2 as well)
+        for grid, split, usplit, bm in (("expert", 3, 2, 16), ("slot", 1, 1, 16), ("slot", 2, 3, 16),
+                                        ("slot", 1, 2, 1)):
             c3 = LayerCounters.zeros(E)
-            tiles = MoeTiles(up_n=16, up_k=32, down_n=16, down_k=16, down_split=split)
+            tiles = MoeTiles(block_m=bm, up_n=16, up_k=32, down_n=16, down_k=16, down_split=split, up_split=usplit)
             close(ref.moe_experts(x, idx, wts, gate_up, down, v),
                   tri.moe_experts(x, idx, wts, gate_up, down, v, c3, grid=grid, tiles=tiles))
-            assert torch.equal(c1.routed, c3.routed) and torch.equal(c1.tokens, c3.tokens), (grid, split)
+            assert torch.equal(c1.routed, c3.routed) and torch.equal(c1.tokens, c3.tokens), (grid, split, usplit)
             close(c1.routed_mass, c3.routed_mass)
 assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())  # every split tile's counter zeroed again
 

@@ -118,8 +118,10 @@ for Tm in (3, 20):  # 20 tokens: two row blocks per expert
         close(a, b, 1e-4)
         assert torch.equal(c1.routed, c2.routed) and torch.equal(c1.tokens, c2.tokens)
         # gate/up as two stride-2 loads (paired False), paired on the CUDA cores (block_m 1) and on narrower tiles
-        # (the default 64-wide tiles above: half of each pair block masked, I = 32)
-        for t in (MoeTiles(paired=False), MoeTiles(block_m=1, up_n=16, up_k=32), MoeTiles(up_n=16, up_k=16)):
+        # (the default 64-wide tiles above: half of each pair block masked, I = 32); the up GEMM split over D (its
+        # bias and clamp after the split sums are added), paired and not
+        for t in (MoeTiles(paired=False), MoeTiles(block_m=1, up_n=16, up_k=32), MoeTiles(up_n=16, up_k=16),
+                  MoeTiles(up_n=16, up_k=16, up_split=3), MoeTiles(paired=False, up_k=32, up_split=2)):
             close(a, tri.moe_experts(x, idx, wts, gate_up, down, v, spec=spec, gate_up_bias=b_gu, down_bias=b_d,
                                      tiles=t), 1e-4)
 clamped = ((x @ gate_up[E - 1] + b_gu[E - 1])[:, ::2] > spec.limit).float().mean()

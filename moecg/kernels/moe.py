@@ -40,7 +40,21 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
              ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, PAIRED: tl.constexpr = 0,
              A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     """act(gate, up) of assignments `rows` [BLOCK_M] (token = row // K) for expert e's columns block nb
-    -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask).
+    -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask): up_sums over all of
+    D, then up_act."""
+    acc_g, acc_u, n, nm = up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, 0, D, dt, K, JM, JU,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, PAIRED, A8, q_ptr,
+                                  qs_ptr, s_qt, s_qs)
+    return up_act(acc_g, acc_u, e, n, nm, b_ptr, s_be, alpha, limit, dt, JM, JU, HAS_BIAS, ACT), n, nm
+
+
+@triton.jit
+def up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo, k_hi, dt: tl.constexpr,
+            K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, PAIRED: tl.constexpr = 0,
+            A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+    """The unrounded fp32 gate and up sums over D in [k_lo, k_hi) of assignments `rows` for expert e's columns block
+    nb -> (gate [BLOCK_M, BLOCK_N], up [BLOCK_M, BLOCK_N], column ids [BLOCK_N], column mask).
     QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.formats), each tile
     dequantized in registers as the reference does (moecg.kernels.quant.dequant_tile) before the same tl.dot.
     A8 (block-FP8 weights, fp8_dynamic activations): x's e4m3 values and scales (quant.a8_tile: from q_ptr / qs_ptr
@@ -66,9 +80,9 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         jm2 = j2 < 2 * I
         acc = mac_init(BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT)
         w2 = w_ptr + e.to(tl.int64) * s_we + j2[:, None] * s_wj
-        for k0 in range(0, D, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
-            km = kk < D
+            km = kk < k_hi
             x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
             w = tl.load(w2 + kk[None, :] * s_wk, mask=jm2[:, None] & km[None, :], other=0.0)
             acc = mac(x, w, acc, DOT)
@@ -83,19 +97,19 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         PRE: tl.constexpr = A8 and DOT
         sg_row = sb + (jg // QR) * s_sj  # the gate rows' block-scale rows, the up rows'
         su_row = sb + (ju // QR) * s_sj
-        xs9, sg9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sg_row, nm, s_sk, 0, D)
-        _, su9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, su_row, nm, s_sk, 0, D)
-        for k0 in range(0, D, BLOCK_K):
+        xs9, sg9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sg_row, nm, s_sk, k_lo, k_hi)
+        _, su9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, su_row, nm, s_sk, k_lo, k_hi)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
-            km = kk < D
+            km = kk < k_hi
             xs8, sg8, su8 = xs9, sg9, su9
-            xs9, sg9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sg_row, nm, s_sk, k0 + BLOCK_K, D)
-            _, su9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, su_row, nm, s_sk, k0 + BLOCK_K, D)
-            x, xq = a8_tile(x_ptr, tok, rmask, s_xt, k0, D, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
+            xs9, sg9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, sg_row, nm, s_sk, k0 + BLOCK_K, k_hi)
+            _, su9 = fp8_scales_ahead(PRE, qs_ptr, tok, rmask, s_qs, su_row, nm, s_sk, k0 + BLOCK_K, k_hi)
+            x, xq = a8_tile(x_ptr, tok, rmask, s_xt, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
             if MX:
                 we = w_ptr + e.to(tl.int64) * s_we
-                acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
-                acc_u = mx_dot(x, acc_u, we, ju, s_wj, s_wk, sb, s_sj, s_sk, k0, D, nm, BLOCK_N, BLOCK_K, DOT)
+                acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
+                acc_u = mx_dot(x, acc_u, we, ju, s_wj, s_wk, sb, s_sj, s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
             else:
                 g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
                 u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
@@ -104,16 +118,26 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
                     acc_u = fp8_mma(xq, xs8, u, su8, acc_u, BLOCK_M)
                 elif ROW_SCALE:  # one row: the scale on x (the tile's gate rows share a scale row, as its up rows)
                     j0 = nb * BLOCK_N * JM
-                    acc_g = fp8_row_mac(x, g, acc_g, sb + (j0 // QROWS) * s_sj, k0, D, s_sk, BLOCK_K)
-                    acc_u = fp8_row_mac(x, u, acc_u, sb + ((j0 + JU) // QROWS) * s_sj, k0, D, s_sk, BLOCK_K)
+                    acc_g = fp8_row_mac(x, g, acc_g, sb + (j0 // QROWS) * s_sj, k0, k_hi, s_sk, BLOCK_K)
+                    acc_u = fp8_row_mac(x, u, acc_u, sb + ((j0 + JU) // QROWS) * s_sj, k0, k_hi, s_sk, BLOCK_K)
                 else:
                     if QROWS:
-                        g = dequant_tile(g, sb + (jg // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
-                        u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, D, s_sk, nm, dt, BLOCK_N, BLOCK_K)
+                        g = dequant_tile(g, sb + (jg // QROWS) * s_sj, k0, k_hi, s_sk, nm, dt, BLOCK_N, BLOCK_K)
+                        u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, k_hi, s_sk, nm, dt, BLOCK_N, BLOCK_K)
                     acc_g = mac(x, g, acc_g, DOT)
                     acc_u = mac(x, u, acc_u, DOT)
         acc_g = mac_sum(acc_g, DOT, A8)
         acc_u = mac_sum(acc_u, DOT, A8)
+    return acc_g, acc_u, n, nm
+
+
+@triton.jit
+def up_act(acc_g, acc_u, e, n, nm, b_ptr, s_be, alpha, limit, dt: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr,
+           HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    """act(gate, up) of up_sums' fp32 sums, each GEMM output rounded to dt (and biased) as HF -> [BLOCK_M, BLOCK_N]
+    fp32 holding dt-rounded values."""
+    jg = n * JM
+    ju = n * JM + JU
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
     if HAS_BIAS:
@@ -129,7 +153,7 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
         sg = tl.sigmoid((g * alpha).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         glu = (g * sg).to(dt).to(tl.float32)
         hv = (u + 1.0).to(dt).to(tl.float32) * glu
-    return hv, n, nm
+    return hv
 
 
 @triton.jit
@@ -218,7 +242,7 @@ def down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s
     return _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS), n, nm
 
 
-@triton.jit(do_not_specialize=["S", "by_slot"])
+@triton.jit(do_not_specialize=["S", "by_slot", "k_chunk"])
 def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_ptr, mass_ptr, tok_ptr,
                    S, by_slot, D, I, s_xt, s_we, s_wj, s_wk, s_be, s_hs, alpha, limit,
                    K: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr, JM: tl.constexpr,
@@ -226,16 +250,20 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                    USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
                    PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0,
-                   BY_ROW: tl.constexpr = 0):
+                   BY_ROW: tl.constexpr = 0, SPLIT: tl.constexpr = 1, part_ptr=None, sem_ptr=None, k_chunk=0):
     """BY_ROW (one-row tiles, with by_slot 1): program p runs assignment p's row, each real one, so no program of a
-    row block holds nothing; the expert's first assignment (lead) still keeps its counters (moe_grid.work)."""
+    row block holds nothing; the expert's first assignment (lead) still keeps its counters (moe_grid.work).
+    SPLIT > 1 (split-K over D, bf16 / fp32 weights, for batch-1 steps whose column blocks alone leave SMs idle): as
+    the down kernel's, each of a tile's SPLIT programs stores its fp32 gate and up sums (part: [SPLIT, S, 2, I]) and
+    the last to finish adds them in split order, then rounds and applies the activation once."""
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     mb = tl.program_id(1)
-    nb = tl.program_id(2)
+    nb = tl.program_id(2) // SPLIT
+    ks = tl.program_id(2) % SPLIT
     e, lead, rows, rmask, go = work(idx_ptr, valid_ptr, p, mb, S, by_slot, K, HAS_VALID, BLOCK_M, BLOCK_S, BY_ROW)
     if COUNT:
-        if (mb == 0) & (nb == 0):  # this expert's counters belong to this program alone: no atomics
+        if (mb == 0) & (nb == 0) & (ks == 0):  # this expert's counters belong to this program alone: no atomics
             if lead:
                 wsum = tl.zeros([BLOCK_S], dtype=tl.float32)
                 nsum = tl.zeros([BLOCK_S], dtype=tl.int32)
@@ -259,10 +287,32 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                 tl.store(tok_ptr, tl.load(tok_ptr) + n_tok)
     if go:
         dt = h_ptr.dtype.element_ty
-        hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
-                             limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
-                             QROWS, MX, PAIRED, A8, q_ptr, qs_ptr, s_qt, s_qs)
-        tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
+        if SPLIT == 1:
+            hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
+                                limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj,
+                                s_sk, QROWS, MX, PAIRED, A8, q_ptr, qs_ptr, s_qt, s_qs)
+            tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
+        else:
+            k_lo = ks * k_chunk
+            acc_g, acc_u, n, nm = up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo,
+                                          tl.minimum(k_lo + k_chunk, D), dt, K, JM, JU, BLOCK_M, BLOCK_N, BLOCK_K,
+                                          ws_ptr, s_se, s_sj, s_sk, QROWS, MX, PAIRED)
+            om = rmask[:, None] & nm[None, :]
+            off = rows[:, None] * (2 * I) + n[None, :]  # gate sums at off, up sums at off + I
+            tl.store(part_ptr + ks * S * 2 * I + off, acc_g, mask=om)
+            tl.store(part_ptr + ks * S * 2 * I + I + off, acc_u, mask=om)
+            tl.debug_barrier()
+            tile = (p * tl.num_programs(1) + mb) * (tl.num_programs(2) // SPLIT) + nb
+            done = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:  # the tile's last program: the other partials are visible (acquire)
+                g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for j in tl.static_range(SPLIT):
+                    g += tl.load(part_ptr + j * S * 2 * I + off, mask=om, other=0.0, cache_modifier=".cg")
+                    u += tl.load(part_ptr + j * S * 2 * I + I + off, mask=om, other=0.0, cache_modifier=".cg")
+                hv = up_act(g, u, e, n, nm, b_ptr, s_be, alpha, limit, dt, JM, JU, HAS_BIAS, ACT)
+                tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=om)
+                tl.store(sem_ptr + tile, 0)  # zero again for the next call (and graph replay)
 
 
 @triton.jit(do_not_specialize=["S", "by_slot", "k_chunk"])
@@ -443,7 +493,18 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)  # pad rows: zeroed by the down kernel
     wc = w.contiguous()
     c = counters
-    launch(_moe_up_kernel, (P, m_blocks, triton.cdiv(inter, t.up_n)),
+    up_blocks = triton.cdiv(inter, t.up_n)
+    up_split, up_chunk, up_part, up_sems = 1, D, None, None
+    if t.up_split > 1:
+        if a.weights != "full":
+            raise ValueError(f"MoeTiles.up_split={t.up_split}: the up kernel splits bf16 / fp32 experts only, not "
+                             f"{a.weights} ones; use up_split=1")
+        up_chunk = triton.cdiv(triton.cdiv(D, t.up_split), t.up_k) * t.up_k
+        up_split = triton.cdiv(D, up_chunk)
+    if up_split > 1:
+        up_part = torch.empty(up_split, S, 2 * inter, dtype=torch.float32, device=x.device)
+        up_sems = split_sems(x.device, P * m_blocks * up_blocks, "moe_up")
+    launch(_moe_up_kernel, (P, m_blocks, up_blocks * up_split),
         x, idx, valid if valid is not None else idx, wc, gate_up, gate_up_bias if gate_up_bias is not None else h,
         h, c.routed if c is not None else h, c.routed_mass if c is not None else h,
         c.tokens if c is not None else h, S, int(by_slot), D, inter, x.stride(0), gate_up.stride(0), a.s_wj, a.s_wk,
@@ -452,7 +513,8 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale, bm), BLOCK_S=64, num_warps=t.warps,
         num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], bm, xq),
-        **pdl_args(x.device, t.pdl_trigger), BY_ROW=int(by_row))
+        **pdl_args(x.device, t.pdl_trigger), BY_ROW=int(by_row), SPLIT=up_split, part_ptr=up_part, sem_ptr=up_sems,
+        k_chunk=up_chunk)
     n_blocks = triton.cdiv(D, t.down_n)
     down_k = quant_k(t.down_k, a.down_scale, bm)
     if split > 1:

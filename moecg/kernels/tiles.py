@@ -42,6 +42,7 @@ class MoeTiles:
     warps: int = 4
     stages: int = 4
     down_split: int = 1  # split-K of the down GEMM over I (batch-1 steps: more programs); deterministic, rounded once
+    up_split: int = 1  # split-K of the up GEMM over D (bf16 / fp32 experts), as down_split
     pdl_trigger: bool = True  # under PDL mode 2, the MoE kernels trigger their successor's launch at their start
     paired: bool = True  # interleaved gate/up columns (GPT-OSS) as one 2 x up_n tile (False: two stride-2 loads)
 
