@@ -79,15 +79,16 @@ def test_moe_kernel_matches_reference_and_counts(shape, T):
     for v in (None, valid):
         c1 = LayerCounters.zeros(E, "cuda")
         want = ref.moe_experts(x, idx, w, gate_up, down, v, c1)
-        # the default grid and tiles, both grids, and the split-K down GEMM (its partials added once, in order)
-        for grid, split in (("auto", None), ("expert", 1), ("slot", 1), ("auto", 2), ("slot", 4)):
+        # the default grid and tiles, both grids, and the split-K down and up GEMMs (partials added once, in order)
+        for grid, split, usplit in (("auto", None, 1), ("expert", 1, 1), ("slot", 1, 1), ("auto", 2, 1),
+                                    ("slot", 4, 1), ("auto", 1, 2), ("expert", 2, 4)):
             c2 = LayerCounters.zeros(E, "cuda")
-            tiles = None if split is None else replace(moe_tiles(T, D, inter, E), down_split=split)
+            tiles = None if split is None else replace(moe_tiles(T, D, inter, E), down_split=split, up_split=usplit)
             got = tri.moe_experts(x, idx, w, gate_up, down, v, c2, grid=grid, tiles=tiles)
             _close(got, want, 2e-2, 5e-3)
             assert torch.equal(c1.routed, c2.routed) and torch.equal(c1.tokens, c2.tokens), (grid, split)
             _close(c1.routed_mass, c2.routed_mass, 1e-5, 1e-5)
-            if split and split > 1:  # deterministic: the same bits again, and the tile counters back at zero
+            if split and max(split, usplit) > 1:  # deterministic: the same bits again, the counters back at zero
                 assert torch.equal(got, tri.moe_experts(x, idx, w, gate_up, down, v, None, grid=grid, tiles=tiles))
                 assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())
 
