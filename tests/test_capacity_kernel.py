@@ -363,6 +363,23 @@ def test_kernels_compile_for_hopper():
     for bm in (16, 1):  # GPT-OSS's paired gate/up on tl.dot and on the CUDA cores
         build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=2, JU=1, HAS_BIAS=True, ACT=1,
                                        BLOCK_M=bm, BLOCK_N=32, BLOCK_K=128, BLOCK_S=64, USE_PDL=2, PAIRED=1), stages=3)
+    split_ptrs = dict(part_ptr="*fp32", sem_ptr="*i32")  # the up GEMM split over D: fp32 partials, tile counters
+    # a split kernel keeps the unsplit one's pipelined weight loads (the same shared memory): each split's first K
+    # index is a multiple of BLOCK_K the compiler sees (k_steps x BLOCK_K). A runtime chunk of unknown alignment
+    # compiled the split-K down kernel with no async copies at all (12 of 61 KB of shared memory, 252 registers).
+    # Typed as a launch specialises them: the weights' K stride 1, the dims and row strides multiples of 16.
+    div16 = ("D", "I", "s_xt", "s_wj", "s_we", "s_hs", "s_wn", "s_ys")
+    up = dict(K=8, HAS_VALID=False, COUNT=True, JM=1, JU=768, HAS_BIAS=False, ACT=0, BLOCK_M=16, BLOCK_N=64,
+              BLOCK_K=128, BLOCK_S=64, USE_PDL=2, QROWS=0, MX=0, PAIRED=0, A8=0, s_wk=1)
+    dn = dict(K=8, HAS_VALID=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=2,
+              QROWS=0, MX=0, A8=0, s_wk=1, PRELOAD=1)
+    for fn, consts, ptrs in ((moe._moe_up_kernel, up, {}), (moe._moe_down_kernel, dn, dict(y_ptr="*fp32"))):
+        smem = [compile_sm90(fn, {**consts, "SPLIT": sp}, div16=div16, **ptrs, **split_ptrs).metadata.shared
+                for sp in (1, 2)]
+        assert smem[0] == smem[1] > 32768, (fn.fn.__name__, smem)
+    build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=2, JU=1, HAS_BIAS=True, ACT=1, BLOCK_M=16,
+                                   BLOCK_N=32, BLOCK_K=128, BLOCK_S=64, USE_PDL=2, PAIRED=1, SPLIT=3), stages=3,
+          **split_ptrs)
     for pdl in (0, 1, 2):  # programmatic dependent launch: the griddepcontrol instructions lower for sm_90
         build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=1, JU=1408, HAS_BIAS=False, ACT=0,
                                        BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_S=64, USE_PDL=pdl))

@@ -50,9 +50,9 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
 
 @triton.jit
 def up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo, k_hi, dt: tl.constexpr,
-            K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, PAIRED: tl.constexpr = 0,
-            A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+            K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
+            PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     """The unrounded fp32 gate and up sums over D in [k_lo, k_hi) of assignments `rows` for expert e's columns block
     nb -> (gate [BLOCK_M, BLOCK_N], up [BLOCK_M, BLOCK_N], column ids [BLOCK_N], column mask).
     QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.formats), each tile
@@ -242,7 +242,7 @@ def down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s
     return _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS), n, nm
 
 
-@triton.jit(do_not_specialize=["S", "by_slot", "k_chunk"])
+@triton.jit(do_not_specialize=["S", "by_slot", "k_steps"])
 def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_ptr, mass_ptr, tok_ptr,
                    S, by_slot, D, I, s_xt, s_we, s_wj, s_wk, s_be, s_hs, alpha, limit,
                    K: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr, JM: tl.constexpr,
@@ -250,7 +250,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                    USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
                    PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0,
-                   BY_ROW: tl.constexpr = 0, SPLIT: tl.constexpr = 1, part_ptr=None, sem_ptr=None, k_chunk=0):
+                   BY_ROW: tl.constexpr = 0, SPLIT: tl.constexpr = 1, part_ptr=None, sem_ptr=None, k_steps=0):
     """BY_ROW (one-row tiles, with by_slot 1): program p runs assignment p's row, each real one, so no program of a
     row block holds nothing; the expert's first assignment (lead) still keeps its counters (moe_grid.work).
     SPLIT > 1 (split-K over D, bf16 / fp32 weights, for batch-1 steps whose column blocks alone leave SMs idle): as
@@ -293,10 +293,11 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                                 s_sk, QROWS, MX, PAIRED, A8, q_ptr, qs_ptr, s_qt, s_qs)
             tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
         else:
-            k_lo = ks * k_chunk
-            acc_g, acc_u, n, nm = up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo,
-                                          tl.minimum(k_lo + k_chunk, D), dt, K, JM, JU, BLOCK_M, BLOCK_N, BLOCK_K,
-                                          ws_ptr, s_se, s_sj, s_sk, QROWS, MX, PAIRED)
+            k_lo = ks * k_steps * BLOCK_K  # a multiple of BLOCK_K the compiler sees (aligned, pipelined loads)
+            k_hi = tl.minimum(k_lo + k_steps * BLOCK_K, D)
+            acc_g, acc_u, n, nm = up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo, k_hi,
+                                          dt, K, JM, JU, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS,
+                                          MX, PAIRED)
             om = rmask[:, None] & nm[None, :]
             off = rows[:, None] * (2 * I) + n[None, :]  # gate sums at off, up sums at off + I
             tl.store(part_ptr + ks * S * 2 * I + off, acc_g, mask=om)
@@ -315,9 +316,9 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                 tl.store(sem_ptr + tile, 0)  # zero again for the next call (and graph replay)
 
 
-@triton.jit(do_not_specialize=["S", "by_slot", "k_chunk"])
+@triton.jit(do_not_specialize=["S", "by_slot", "k_steps"])
 def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, part_ptr, sem_ptr, S, by_slot, D, I,
-                     k_chunk, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, HAS_VALID: tl.constexpr,
+                     k_steps, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, HAS_VALID: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk,
                      QROWS: tl.constexpr, MX: tl.constexpr, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
@@ -341,9 +342,9 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                                         BY_ROW)
         n0 = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         n_run = tl.where(go, D, 0)  # rows to load: none where the program will not run
-        k_lo0 = ks * k_chunk  # unsplit: ks 0 and k_chunk I
-        w0 = w_tile(w_ptr + e.to(tl.int64) * s_we, n0, n0 < n_run, k_lo0, tl.minimum(k_lo0 + k_chunk, I), s_wn, s_wk,
-                    BLOCK_K)
+        k_lo0 = ks * k_steps * BLOCK_K  # unsplit: ks 0 and k_steps * BLOCK_K >= I
+        w0 = w_tile(w_ptr + e.to(tl.int64) * s_we, n0, n0 < n_run, k_lo0, tl.minimum(k_lo0 + k_steps * BLOCK_K, I),
+                    s_wn, s_wk, BLOCK_K)
     pdl_enter(USE_PDL)
     if HAS_VALID and BY_ROW:  # pad rows get zeros here (no kernel writes them otherwise): their own programs
         if ks == 0:
@@ -374,8 +375,9 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
             tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
         else:
-            k_lo = ks * k_chunk
-            acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, tl.minimum(k_lo + k_chunk, I),
+            k_lo = ks * k_steps * BLOCK_K  # a multiple of BLOCK_K the compiler sees (aligned, pipelined loads)
+            k_hi = tl.minimum(k_lo + k_steps * BLOCK_K, I)
+            acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi,
                                    s_hs, s_we, s_wn, s_wk, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS,
                                    MX, w0, PRE, A8, q_ptr, qs_ptr, s_qt, s_qs)
             om = rmask[:, None] & nm[None, :]
@@ -494,13 +496,14 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     wc = w.contiguous()
     c = counters
     up_blocks = triton.cdiv(inter, t.up_n)
-    up_split, up_chunk, up_part, up_sems = 1, D, None, None
+    up_k = quant_k(t.up_k, a.up_scale, bm)
+    up_split, up_steps, up_part, up_sems = 1, triton.cdiv(D, up_k), None, None
     if t.up_split > 1:
         if a.weights != "full":
             raise ValueError(f"MoeTiles.up_split={t.up_split}: the up kernel splits bf16 / fp32 experts only, not "
                              f"{a.weights} ones; use up_split=1")
-        up_chunk = triton.cdiv(triton.cdiv(D, t.up_split), t.up_k) * t.up_k
-        up_split = triton.cdiv(D, up_chunk)
+        up_steps = triton.cdiv(triton.cdiv(D, t.up_split), up_k)  # K steps a split
+        up_split = triton.cdiv(D, up_steps * up_k)
     if up_split > 1:
         up_part = torch.empty(up_split, S, 2 * inter, dtype=torch.float32, device=x.device)
         up_sems = split_sems(x.device, P * m_blocks * up_blocks, "moe_up")
@@ -511,22 +514,22 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0), a.alpha, a.limit,
         K=K, HAS_VALID=valid is not None, COUNT=c is not None, JM=a.jm, JU=a.ju, PAIRED=a.paired(t),
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
-        BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale, bm), BLOCK_S=64, num_warps=t.warps,
+        BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=up_k, BLOCK_S=64, num_warps=t.warps,
         num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], bm, xq),
         **pdl_args(x.device, t.pdl_trigger), BY_ROW=int(by_row), SPLIT=up_split, part_ptr=up_part, sem_ptr=up_sems,
-        k_chunk=up_chunk)
+        k_steps=up_steps)
     n_blocks = triton.cdiv(D, t.down_n)
     down_k = quant_k(t.down_k, a.down_scale, bm)
     if split > 1:
-        k_chunk = triton.cdiv(triton.cdiv(inter, split), down_k) * down_k
-        split = triton.cdiv(inter, k_chunk)
+        k_steps = triton.cdiv(triton.cdiv(inter, split), down_k)  # K steps a split
+        split = triton.cdiv(inter, k_steps * down_k)
     else:
-        k_chunk = inter
+        k_steps = triton.cdiv(inter, down_k)
     part = torch.empty(split, S, D, dtype=torch.float32, device=x.device) if split > 1 else y
     sems = split_sems(x.device, P * m_blocks * n_blocks, "moe_down") if split > 1 else idx
     launch(_moe_down_kernel, (P, m_blocks, n_blocks * split),
         h, idx, valid if valid is not None else idx, wc, down, down_bias if down_bias is not None else h, y, part,
-        sems, S, int(by_slot), D, inter, k_chunk, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
+        sems, S, int(by_slot), D, inter, k_steps, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
         HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=down_k, BLOCK_S=64,
         num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale["A8"], bm),
