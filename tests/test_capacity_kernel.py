@@ -276,7 +276,7 @@ SM90_TYPES = dict(idx_ptr="*i64", valid_ptr="*i1", y_ptr="*fp32", keep_ptr="*i8"
 SM90_F8 = dict(w_ptr="*fp8e4nv", ws_ptr="*fp32", q_ptr="*fp8e4nv", qs_ptr="*fp32")
 # compile_sm90's div16 for the GEMV and MoE kernels as launched at Qwen3-30B-A3B's shapes: the integer arguments that
 # are multiples of 16 there (names a kernel does not take are ignored)
-SM90_DIV16 = ("N", "K", "D", "I", "s_xt", "s_wn", "s_yt", "s_sn", "s_qt", "s_xh", "s_wh", "s_yh", "kper", "s_ys",
+SM90_DIV16 = ("N", "K", "D", "I", "s_xt", "s_wn", "s_yt", "s_sn", "s_qt", "s_xh", "s_wh", "s_yh", "s_ys",
               "s_we", "s_wj", "s_se", "s_sj", "s_hs")
 
 
@@ -377,6 +377,13 @@ def test_kernels_compile_for_hopper():
         smem = [compile_sm90(fn, {**consts, "SPLIT": sp}, div16=div16, **ptrs, **split_ptrs).metadata.shared
                 for sp in (1, 2)]
         assert smem[0] == smem[1] > 32768, (fn.fn.__name__, smem)
+    # the same for the split-K GEMV (linear_partials), on the tensor cores and on the CUDA cores (one row): with a
+    # chunk of unknown alignment the first compiled with no async copies and the second with 16-bit loads
+    for rows, bn, bk, st in ((16, 16, 256, 3), (1, 4, 1024, 2)):
+        smem = [compile_sm90(gemv._gemv_kernel, dict(HAS_BIAS=False, BLOCK_T=rows, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=2,
+                                                     SPLIT=sp, PRELOAD=1, s_wk=1, QROWS=0, A8=0), st,
+                             div16=SM90_DIV16, y_ptr="*fp32").metadata.shared for sp in (1, 2)]
+        assert smem[0] == smem[1], (rows, smem)
     build(moe._moe_up_kernel, dict(K=4, HAS_VALID=True, COUNT=True, JM=2, JU=1, HAS_BIAS=True, ACT=1, BLOCK_M=16,
                                    BLOCK_N=32, BLOCK_K=128, BLOCK_S=64, USE_PDL=2, PAIRED=1, SPLIT=3), stages=3,
           **split_ptrs)

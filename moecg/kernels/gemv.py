@@ -91,17 +91,17 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_s
     return acc
 
 
-@triton.jit(do_not_specialize=["T", "kper"])
+@triton.jit(do_not_specialize=["T", "ksteps"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
                  s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0,
-                 SPLIT: tl.constexpr = 1, kper=0, s_ys=0, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
+                 SPLIT: tl.constexpr = 1, ksteps=0, s_ys=0, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
                  q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if SPLIT > 1:  # program_id(1) is the K split (one head): columns [sp * kper, (sp + 1) * kper) of K
+    if SPLIT > 1:  # program_id(1) is the K split (one head): ksteps K steps of columns from sp * ksteps * BLOCK_K
         sp = tl.program_id(1)
-        k_lo = sp * kper
-        k_hi = tl.minimum(K, k_lo + kper)
+        k_lo = sp * ksteps * BLOCK_K  # a multiple of BLOCK_K the compiler sees: aligned, vectorised weight loads
+        k_hi = tl.minimum(K, k_lo + ksteps * BLOCK_K)
         y_ptr += sp * s_ys
     else:
         hd = tl.program_id(1)
@@ -226,7 +226,7 @@ def linear_partials(x, w, bias=None, tiles=None, xq=None):
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), S, triton.cdiv(T, rows)), x, q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), q.stride(0), y.stride(1),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
-           num_stages=t.stages, SPLIT=S, kper=kper, s_ys=y.stride(0), **extra,
+           num_stages=t.stages, SPLIT=S, ksteps=kper // bk, s_ys=y.stride(0), **extra,
            **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y.transpose(0, 1)  # [T, S, N]
 
