@@ -261,14 +261,14 @@ FP8_GEMV_RULES: tuple[GemvRule, ...] = (
 # quant.act_k), so each stage moves a quarter of the bytes of the 512-wide steps above: six stages and wider column
 # blocks keep as many bytes in flight. bench_weights_kernels.py --activations fp8_dynamic on an H100 (T 8,
 # experiments/results/activations/kernels_a8.md): qkv 5120 x 2048 8.4 us on 64 columns x 6 stages against 9.7 on the
-# table's 32 x 3; o 2048 x 4096 11.4 on 32 x 6 against 15.0 on 16 x 3; every column width ran faster with 6 stages
-# than 4 and with 4 than 3; split-K (2, 4) slower (a split kernel then compiled without its pipelined loads: see
+# table's 32 x 3; o 2048 x 4096 11.4 on 32 x 6 against 15.0 on 16 x 3; every column width ran faster with 6 stages than
+# 4 and with 4 than 3; split-K (2, 4) slower (a split kernel then compiled without its pipelined loads: see
 # docs/results.md, "Split-K kernels as compiled before a24efe6"). The same tiles up to 32 rows (16 a program; the
-# programs of the other row block find the weights in L2), where the 3-stage W8A16 tiles served 17-32 before: alone
-# (one H100, experiments/results/fp8_gemv_rows/) qkv 8.9 -> 7.8 us and o 13.8 -> 10.0 at T 32; the 24-layer
-# Qwen3-30B-A3B step at bs 32 6.258 -> 6.136 ms, and 5.879 -> 5.750 with the down tiles of QWEN3_DOWN, on two H100s. At 64 rows
-# they are faster alone too (qkv 14.1 -> 11.2, o 27.6 -> 12.2), but the step was slower with them in both runs
-# (10.081 -> 10.303, 8.511 -> 8.615 ms; not understood, not measured apart), so 33-64 rows keep the W8A16 tiles.
+# programs of the other row block find the weights in L2), where the 3-stage W8A16 tiles served 17-32 before: alone (one
+# H100, experiments/results/fp8_gemv_rows/) qkv 8.9 -> 7.8 us and o 13.8 -> 10.0 at T 32; the 24-layer Qwen3-30B-A3B
+# step at bs 32 6.258 -> 6.136 ms, and 5.879 -> 5.750 with the down tiles of QWEN3_DOWN, on two H100s. At 64 rows they
+# are faster alone too (qkv 14.1 -> 11.2, o 27.6 -> 12.2), but the step was slower with them in both runs (10.081 ->
+# 10.303, 8.511 -> 8.615 ms; not understood, not measured apart), so 33-64 rows keep the W8A16 tiles.
 FP8_A8_GEMV_RULES: tuple[GemvRule, ...] = (
     GemvRule(GemvTiles(32, 128, 4, 6), tokens=(2, 33), out=(0, 2049)),
     GemvRule(GemvTiles(64, 128, 4, 6), tokens=(2, 33)),
