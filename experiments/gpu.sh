@@ -203,6 +203,33 @@ suite_gpt_oss_router() {  # GPT-OSS's router in norm_route against add_rmsnorm +
     --strategies full+fused capacity+fused --skip-hf-generate --skip-compile --repeats 2 --new-tokens 16 \
     --out "$D/capacity_gpt_oss_20b.md" --json "$D/capacity_gpt_oss_20b.json" | grep -E "own floor|failed|Error"
 }
+suite_table() {  # the default fused step at bs 1 and 8 on every family's real shape, one process each (the table in docs/results.md, "What moved the fused step")
+  bench table
+  local spec preset layers
+  for spec in "qwen1_5_moe_a2_7b 24" "qwen3_30b_a3b 12" "olmoe_1b_7b 16" "glm4_5_air 8" "mixtral_8x7b 8" \
+              "deepseek_v2_lite 27" "gpt_oss_20b 12" "deepseek_v3 8" "kimi_k2 4"; do
+    read -r preset layers <<< "$spec"
+    variant "${preset}_$layers" "$preset" "$layers" --batch 1 8 --repeats 3 --variants $D_STEP
+  done
+}
+suite_split_k() {  # the split-K kernels as compiled since a24efe6 (pipelined loads): the up GEMM split at bs 1 on four shapes, the down GEMM split on Mixtral and GPT-OSS at bs 1, the o projection split in bf16 and block-FP8 at bs 1 and 8; their GPU tests
+  bench split_k
+  t gpu_tests.log python3 -m pytest -q -m gpu tests/test_fast_gpu.py tests/test_weights_gpu.py \
+    -k "moe_kernel_matches or split_k_partial" | grep -E "passed|failed|FAILED" | tail -4
+  variant up_qwen3_30b_a3b qwen3_30b_a3b 12 --batch 1 --repeats 3 --variants $D_STEP $D_STEP+up_split=2 \
+    $D_STEP+up_split=3 $D_STEP+up_split=4
+  local spec preset layers
+  for spec in "olmoe_1b_7b 16" "deepseek_v2_lite 27" "qwen1_5_moe_a2_7b 24"; do
+    read -r preset layers <<< "$spec"
+    variant "up_$preset" "$preset" "$layers" --batch 1 --repeats 3 --variants $D_STEP $D_STEP+up_split=2
+  done
+  variant down_mixtral_8x7b mixtral_8x7b 8 --batch 1 --repeats 3 --variants $D_STEP $D_STEP+split2 $D_STEP+split4
+  variant down_gpt_oss_20b gpt_oss_20b 12 --batch 1 --repeats 3 --variants $D_STEP $D_STEP+split2 \
+    $D_STEP+down_n=64+split2
+  variant o_qwen3_30b_a3b qwen3_30b_a3b 12 --batch 1 8 --repeats 3 --variants $D_STEP $D_STEP+ok=2 $D_STEP+ok=4
+  variant o_qwen3_48_fp8_block qwen3_30b_a3b 48 --weights fp8_block --batch 1 8 --repeats 3 --variants $D_STEP \
+    $D_STEP+ok=2 $D_STEP+ok=4
+}
 suite_row_grid() {  # mxfp4 experts on one-row tiles (row grid) against tl.dot_scaled and 32 x 64 columns, GPT-OSS 12 layers, bs 1-64; its GPU tests
   bench row_grid
   t gpu_tests.log python3 -m pytest -q -m gpu tests/test_weights_gpu.py tests/test_act_gpu.py \
