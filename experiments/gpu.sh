@@ -230,6 +230,21 @@ suite_split_k() {  # the split-K kernels as compiled since a24efe6 (pipelined lo
   variant o_qwen3_48_fp8_block qwen3_30b_a3b 48 --weights fp8_block --batch 1 8 --repeats 3 --variants $D_STEP \
     $D_STEP+ok=2 $D_STEP+ok=4
 }
+suite_kmajor() {  # HF's transposed bf16 experts (GPT-OSS) and MLA's W_UK heads on k-major weight tiles (pipelined loads): GPT-OSS-20B at bs 1 / 8 / 16 with its tile variants, capacity+fused beside, the MLA shapes at bs 1 and 8; their GPU tests (with OLD=<the package before>: the same in old/)
+  bench kmajor
+  t gpu_tests.log python3 -m pytest -q -m gpu tests/test_fast_gpu.py tests/test_capacity_kernel_gpu.py \
+    -k "gpt_oss or transposed or head or mla or capacity" | grep -E "passed|failed|FAILED" | tail -4
+  variant gpt_oss_20b gpt_oss_20b 12 --batch 1 8 16 --repeats 3 --variants $D_STEP $D_STEP+down_n=64 \
+    $D_STEP+down_n=128 $D_STEP+up_n=64 $D_STEP+stages=4
+  t capacity_gpt_oss_20b.log vs_compile --preset gpt_oss_20b --num-layers 12 --batch 1 8 --buckets 1 8 \
+    --strategies full+fused capacity+fused --skip-hf-generate --skip-compile --repeats 2 --new-tokens 16 \
+    --out "$D/capacity_gpt_oss_20b.md" --json "$D/capacity_gpt_oss_20b.json" | grep -E "own floor|failed|Error"
+  local spec preset layers
+  for spec in "deepseek_v3 6" "kimi_k2 4" "deepseek_v2_lite 27"; do
+    read -r preset layers <<< "$spec"
+    variant "$preset" "$preset" "$layers" --batch 1 8 --repeats 3 --variants $D_STEP
+  done
+}
 suite_row_grid() {  # mxfp4 experts on one-row tiles (row grid) against tl.dot_scaled and 32 x 64 columns, GPT-OSS 12 layers, bs 1-64; its GPU tests
   bench row_grid
   t gpu_tests.log python3 -m pytest -q -m gpu tests/test_weights_gpu.py tests/test_act_gpu.py \

@@ -377,6 +377,21 @@ def test_kernels_compile_for_hopper():
         smem = [compile_sm90(fn, {**consts, "SPLIT": sp}, div16=div16, **ptrs, **split_ptrs).metadata.shared
                 for sp in (1, 2)]
         assert smem[0] == smem[1] > 32768, (fn.fn.__name__, smem)
+    # the tensor-core tiles keep their weight tile in the async-copy ring ((stages - 1) x the input and weight tiles of
+    # shared memory) in both layouts: [E, D, I] (K contiguous) read [N, K], and HF's transposed [E, I, D] / [E, D, 2I]
+    # (GPT-OSS: N contiguous) read k-major (KN); read [N, K] and transposed, those compiled their weights through
+    # registers (no async copy, 114-209 registers), which is what held GPT-OSS's batch-1 down kernel at 2 TB/s
+    for KN, strides in ((0, dict(s_wk=1)), (1, dict(s_wn=1))):
+        for bn in (32, 128):
+            consts = {**{c: v for c, v in dn.items() if c != "s_wk"}, "SPLIT": 1, "HAS_BIAS": True, "BLOCK_N": bn,
+                      "KN": KN, **strides}
+            k = compile_sm90(moe._moe_down_kernel, consts, 3, y_ptr="*fp32",
+                             div16=tuple(d for d in (*div16, "s_wk", "s_wn", "s_be") if d not in strides))
+            assert k.metadata.shared == 2 * (16 * 128 + bn * 128) * 2, (KN, bn, k.metadata.shared)
+    consts = {**{c: v for c, v in up.items() if c != "s_wk"}, "JM": 2, "JU": 1, "HAS_BIAS": True, "ACT": 1,
+              "PAIRED": 1, "KN": 1, "BLOCK_N": 32, "s_wj": 1}
+    k = compile_sm90(moe._moe_up_kernel, consts, 3, div16=("D", "I", "s_xt", "s_we", "s_wk", "s_hs", "s_be"))
+    assert k.metadata.shared == 2 * (16 * 128 + 64 * 128) * 2, k.metadata.shared  # the paired 2 x 32 columns
     # the same for the split-K GEMV (linear_partials), on the tensor cores and on the CUDA cores (one row): with a
     # chunk of unknown alignment the first compiled with no async copies and the second with 16-bit loads
     for rows, bn, bk, st in ((16, 16, 256, 3), (1, 4, 1024, 2)):

@@ -160,7 +160,8 @@ def _cap_up_kernel(x_ptr, valid_ptr, w_ptr, b_ptr, h_ptr, slot_ptr, nk_ptr, keep
                    JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                    ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
-                   PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+                   PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0,
+                   KN: tl.constexpr = 0):
     e = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
@@ -183,7 +184,7 @@ def _cap_up_kernel(x_ptr, valid_ptr, w_ptr, b_ptr, h_ptr, slot_ptr, nk_ptr, keep
         dt = h_ptr.dtype.element_ty
         hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
                              limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
-                             QROWS, MX, PAIRED, A8, q_ptr, qs_ptr, s_qt, s_qs)
+                             QROWS, MX, PAIRED, A8, q_ptr, qs_ptr, s_qt, s_qs, KN)
         tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
 
 
@@ -192,7 +193,7 @@ def _cap_down_kernel(h_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, nk_ptr, keep_
                      C, D, I, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, KP: tl.constexpr,
                      RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
-                     A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+                     A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, KN: tl.constexpr = 0):
     e = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
@@ -200,7 +201,7 @@ def _cap_down_kernel(h_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, nk_ptr, keep_
     if (mb == 0) | (n_kept > mb * BLOCK_M):
         o, n, nm = down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
                               h_ptr.dtype.element_ty, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk,
-                              QROWS, MX, A8, q_ptr, qs_ptr, s_qt, s_qs)
+                              QROWS, MX, A8, q_ptr, qs_ptr, s_qt, s_qs, KN)
         tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         if RENORM:  # rescaled to the token's original total over its kept assignments, from the keep flags
             k = tl.arange(0, KP)
@@ -258,12 +259,13 @@ def capacity_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, cap
         K=K, KP=KP, HAS_VALID=has_valid, COUNT=cnt, JM=a.jm, JU=a.ju, PAIRED=a.paired(t),
         HAS_BIAS=gate_up_bias is not None, ACT=a.act,
         BLOCK_M=t.block_m, BLOCK_N=t.up_n, BLOCK_K=quant_k(t.up_k, a.up_scale, t.block_m), BLOCK_T=BLOCK_T,
-        num_warps=t.warps, num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], t.block_m, xq))
+        num_warps=t.warps, num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], t.block_m, xq), KN=a.kn)
     launch(_cap_down_kernel, (E, m_blocks, triton.cdiv(D, t.down_n)),
         h, wc, down, down_bias if down_bias is not None else h, y, slots, n_kept, keep,
         C, D, inter, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, KP=KP, RENORM=bool(renormalize),
         HAS_BIAS=down_bias is not None, BLOCK_M=t.block_m, BLOCK_N=t.down_n,
         BLOCK_K=quant_k(t.down_k, a.down_scale, t.block_m),
-        num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale["A8"], t.block_m))
+        num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale["A8"], t.block_m),
+        KN=a.kn)
     return y

@@ -75,8 +75,9 @@ def silu_mul(gu, inter: int, quant: bool = False):
 @triton.jit
 def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr,
-               A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs, xs8, sw8):
-    """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format).
+               A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs, xs8, sw8, KND: tl.constexpr = 0):
+    """acc + the rows t of x at columns k0 .. times the weight tile w of those columns (dequantized as its format;
+    KND: w is k-major, quant.w_tile's KN).
     A8: x's e4m3 values as quant.a8_tile gives them (from q_ptr / qs_ptr where the input came quantized); on the
     tensor cores the step's scales xs8 / sw8, loaded a step ahead (quant.fp8_scales_ahead)."""
     x, xq = a8_tile(x_ptr, t, tm, s_xt, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
@@ -87,7 +88,7 @@ def _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_s
     else:
         if QROWS:
             w = dequant_tile(w, ws_ptr + (n // QROWS) * s_sn, k0, K, s_sk, nm, x.dtype, BLOCK_N, BLOCK_K)
-        acc = mac(x, w, acc, DOT)
+        acc = mac(x, w, acc, DOT, KND)
     return acc
 
 
@@ -96,8 +97,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
                  s_xh=0, s_wh=0, s_yh=0, s_wk=1, ws_ptr=None, s_sn=0, s_sk=0, QROWS: tl.constexpr = 0,
                  SPLIT: tl.constexpr = 1, ksteps=0, s_ys=0, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
-                 q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+                 q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, KN: tl.constexpr = 0):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    DOT: tl.constexpr = BLOCK_T >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
+    KND: tl.constexpr = KN and DOT and QROWS == 0  # k-major weight tiles: W's N dim contiguous (head_linear's W_UK)
     if SPLIT > 1:  # program_id(1) is the K split (one head): ksteps K steps of columns from sp * ksteps * BLOCK_K
         sp = tl.program_id(1)
         k_lo = sp * ksteps * BLOCK_K  # a multiple of BLOCK_K the compiler sees: aligned, vectorised weight loads
@@ -114,11 +117,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     # the PDL wait before the first K step's weights, or with PRELOAD after them (no kernel writes weights: they then
     # load while the predecessor runs); one of the two calls waits, the other is mode 0 (nothing)
     pdl_enter(USE_PDL * (1 - PRELOAD))
-    w = w_tile(w_ptr, n, nm, k_lo, k_hi, s_wn, s_wk, BLOCK_K)
+    w = w_tile(w_ptr, n, nm, k_lo, k_hi, s_wn, s_wk, BLOCK_K, KND)
     pdl_enter(USE_PDL * PRELOAD)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
-    DOT: tl.constexpr = BLOCK_T >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
     ROW_SCALE: tl.constexpr = (BLOCK_T == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # one row: x scaled (fp8_row_mac)
     acc = mac_init(BLOCK_T, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8)
     PRE: tl.constexpr = A8 and DOT  # each step's scales loaded a step ahead, beside the MMA before (fp8_scales_ahead)
@@ -126,14 +128,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K, s_xt, s_wn, s_yt, HAS_BIAS
     xs8, sw8 = fp8_scales_ahead(PRE, qs_ptr, t, tm, s_qs, srow, nm, s_sk, k_lo, k_hi)
     xs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, t, tm, s_qs, srow, nm, s_sk, k_lo + BLOCK_K, k_hi)
     acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k_lo, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N, BLOCK_K,
-                     DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs, xs8,
-                     sw8)  # every split has columns (linear_partials): the first step always runs
+                     DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs, xs8, sw8,
+                     KND)  # every split has columns (linear_partials): the first step always runs
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
+        w = w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K, KND)
         xs8, sw8 = xs9, sw9
         xs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, t, tm, s_qs, srow, nm, s_sk, k0 + BLOCK_K, k_hi)
         acc = _gemv_step(x_ptr, t, tm, s_xt, w, acc, k0, k_hi, K, ws_ptr, n, nm, s_sn, s_sk, QROWS, BLOCK_N,
-                         BLOCK_K, DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs, xs8, sw8)
+                         BLOCK_K, DOT, ROW_SCALE, A8, q_ptr, qs_ptr, s_qt, s_qs, xs8, sw8, KND)
     acc = mac_sum(acc, DOT, A8)
     if HAS_BIAS:  # split: once, in the first split's partial
         b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
@@ -273,5 +275,6 @@ def head_linear(x, w, tiles=None):
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), H, triton.cdiv(T, rows)), x, w, y, y, T, N, K, x.stride(0),
            w.stride(1), y.stride(0), HAS_BIAS=False, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
            num_warps=t.warps, num_stages=t.stages, s_xh=x.stride(1), s_wh=w.stride(0), s_yh=y.stride(1),
-           s_wk=w.stride(2), **pdl_args(x.device, t.pdl_trigger, preload=True))
+           s_wk=w.stride(2), KN=int(w.stride(1) == 1 and w.stride(2) != 1),
+           **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y

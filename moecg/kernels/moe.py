@@ -38,13 +38,13 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
              dt: tl.constexpr, K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, HAS_BIAS: tl.constexpr,
              ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, PAIRED: tl.constexpr = 0,
-             A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+             A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, KN: tl.constexpr = 0):
     """act(gate, up) of assignments `rows` [BLOCK_M] (token = row // K) for expert e's columns block nb
     -> ([BLOCK_M, BLOCK_N] fp32 holding dt-rounded values, column ids [BLOCK_N], column mask): up_sums over all of
     D, then up_act."""
     acc_g, acc_u, n, nm = up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, 0, D, dt, K, JM, JU,
                                   BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, PAIRED, A8, q_ptr,
-                                  qs_ptr, s_qt, s_qs)
+                                  qs_ptr, s_qt, s_qs, KN)
     return up_act(acc_g, acc_u, e, n, nm, b_ptr, s_be, alpha, limit, dt, JM, JU, HAS_BIAS, ACT), n, nm
 
 
@@ -52,7 +52,8 @@ def up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_w
 def up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo, k_hi, dt: tl.constexpr,
             K: tl.constexpr, JM: tl.constexpr, JU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
-            PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+            PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0,
+            KN: tl.constexpr = 0):
     """The unrounded fp32 gate and up sums over D in [k_lo, k_hi) of assignments `rows` for expert e's columns block
     nb -> (gate [BLOCK_M, BLOCK_N], up [BLOCK_M, BLOCK_N], column ids [BLOCK_N], column mask).
     QROWS > 0: the weights are e4m3 with block scales ws [E, 2I / QROWS, D / 128] (moecg.models.formats), each tile
@@ -64,11 +65,14 @@ def up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo
     (moecg.kernels.quant.mx_dot).
     PAIRED (interleaved gate/up, JM 2 JU 1; bf16 / fp32 weights): the 2 x BLOCK_N columns g0 u0 g1 u1 .. as one
     tile, one GEMM into [BLOCK_M, 2 x BLOCK_N] split into gate and up after the loop (the same products and sums per
-    column), so a transposed [E, D, 2I] weight (GPT-OSS) loads contiguous columns instead of two stride-2 halves."""
+    column), so a transposed [E, D, 2I] weight (GPT-OSS) loads contiguous columns instead of two stride-2 halves.
+    KN (bf16 / fp32 weights whose 2I dim is contiguous: HF's transposed [E, D, 2I]): the tensor-core tiles load the
+    weights [BLOCK_K, columns], tl.dot's operand as it is (quant.w_tile's KN), so the loads pipeline."""
     tok = rows // K
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
     DOT: tl.constexpr = BLOCK_M >= 16  # else the products on the CUDA cores (moecg.kernels.quant.mac)
+    KND: tl.constexpr = KN and DOT and QROWS == 0 and not MX  # k-major weight tiles (unquantized, tl.dot)
     # block-FP8, one row: the scale on x (fp8_row_mac) where the tile's gate rows (and its up rows) share a scale row
     QR: tl.constexpr = QROWS + (QROWS == 0)  # a divisor: QROWS, 1 where not block-FP8
     ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QR % (BLOCK_N * JM) == 0) & (JU % QR == 0)
@@ -84,8 +88,11 @@ def up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < k_hi
             x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            w = tl.load(w2 + kk[None, :] * s_wk, mask=jm2[:, None] & km[None, :], other=0.0)
-            acc = mac(x, w, acc, DOT)
+            if KND:
+                w = w_tile(w_ptr + e.to(tl.int64) * s_we, j2, jm2, k0, k_hi, s_wj, s_wk, BLOCK_K, KND)
+            else:
+                w = tl.load(w2 + kk[None, :] * s_wk, mask=jm2[:, None] & km[None, :], other=0.0)
+            acc = mac(x, w, acc, DOT, KND)
         acc_g, acc_u = tl.split(tl.reshape(mac_sum(acc, DOT), [BLOCK_M, BLOCK_N, 2]))
     else:
         acc_g = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8, MX)
@@ -111,8 +118,12 @@ def up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo
                 acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
                 acc_u = mx_dot(x, acc_u, we, ju, s_wj, s_wk, sb, s_sj, s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
             else:
-                g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-                u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+                if KND:
+                    g = w_tile(w_ptr + e.to(tl.int64) * s_we, jg, nm, k0, k_hi, s_wj, s_wk, BLOCK_K, KND)
+                    u = w_tile(w_ptr + e.to(tl.int64) * s_we, ju, nm, k0, k_hi, s_wj, s_wk, BLOCK_K, KND)
+                else:
+                    g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+                    u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
                 if A8 and DOT:
                     acc_g = fp8_mma(xq, xs8, g, sg8, acc_g, BLOCK_M)
                     acc_u = fp8_mma(xq, xs8, u, su8, acc_u, BLOCK_M)
@@ -124,8 +135,8 @@ def up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo
                     if QROWS:
                         g = dequant_tile(g, sb + (jg // QROWS) * s_sj, k0, k_hi, s_sk, nm, dt, BLOCK_N, BLOCK_K)
                         u = dequant_tile(u, sb + (ju // QROWS) * s_sj, k0, k_hi, s_sk, nm, dt, BLOCK_N, BLOCK_K)
-                    acc_g = mac(x, g, acc_g, DOT)
-                    acc_u = mac(x, u, acc_u, DOT)
+                    acc_g = mac(x, g, acc_g, DOT, KND)
+                    acc_u = mac(x, u, acc_u, DOT, KND)
         acc_g = mac_sum(acc_g, DOT, A8)
         acc_u = mac_sum(acc_u, DOT, A8)
     return acc_g, acc_u, n, nm
@@ -160,17 +171,17 @@ def up_act(acc_g, acc_u, e, n, nm, b_ptr, s_be, alpha, limit, dt: tl.constexpr, 
 def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk,
                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, ROW_SCALE: tl.constexpr,
                ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, HAS_W: tl.constexpr,
-               A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs, hs8, sw8):
+               A8: tl.constexpr, q_ptr, qs_ptr, s_qt, s_qs, hs8, sw8, KND: tl.constexpr = 0):
     """acc + h rows `rows` at columns k0 .. of I times the weights of those columns: w (HAS_W, loaded by the caller)
     or loaded here after h (mxfp4: mx_dot loads its own). A8: as up_tile's (on the tensor cores the step's scales
-    hs8 / sw8, loaded a step ahead by _down_acc)."""
+    hs8 / sw8, loaded a step ahead by _down_acc). KND: k-major weight tiles (up_sums' KN)."""
     h, hq = a8_tile(h_ptr, rows, rmask, s_hs, k0, k_hi, q_ptr, qs_ptr, s_qt, s_qs, A8, DOT, BLOCK_K)
     if MX:
         acc = mx_dot(h, acc, w_ptr + e.to(tl.int64) * s_we, n, s_wn, s_wk, ws_ptr + e.to(tl.int64) * s_se, s_sj,
                      s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
     else:
         if not HAS_W:
-            w = w_tile(w_ptr + e.to(tl.int64) * s_we, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K)
+            w = w_tile(w_ptr + e.to(tl.int64) * s_we, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K, KND)
         if A8 and DOT:
             acc = fp8_mma(hq, hs8, w, sw8, acc, rows.shape[0])
         elif ROW_SCALE:
@@ -180,7 +191,7 @@ def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, 
             if QROWS:
                 w = dequant_tile(w, ws_ptr + e.to(tl.int64) * s_se + (n // QROWS) * s_sj, k0, k_hi, s_sk, nm,
                                  h.dtype, BLOCK_N, BLOCK_K)
-            acc = mac(h, w, acc, DOT)
+            acc = mac(h, w, acc, DOT, KND)
     return acc
 
 
@@ -188,14 +199,17 @@ def _down_step(h_ptr, rows, rmask, w, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, 
 def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_wn, s_wk,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr, w0=None, HAS_W0: tl.constexpr = 0,
-              A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+              A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, KN: tl.constexpr = 0):
     """The unrounded fp32 down-projection sum over I in [k_lo, k_hi) (never empty) of h rows `rows` for output
     columns block nb -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask). QROWS > 0: e4m3 weights, MX:
     mxfp4 ones ([E, D, I / 2]), as up_tile's. HAS_W0: w0 is the first K step's weight tile (quant.w_tile), loaded by the
-    caller (before its PDL wait), its step peeled from the loop: the same products in the same order."""
+    caller (before its PDL wait), its step peeled from the loop: the same products in the same order. KN: as up_sums'
+    (HF's transposed [E, I, D], D contiguous)."""
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < D
     DOT: tl.constexpr = BLOCK_M >= 16  # as up_tile's
+    KND: tl.constexpr = KN and DOT and QROWS == 0 and not MX  # as up_sums'
+    tl.static_assert(not (KND and HAS_W0), "a preloaded first tile (batch-1 tiles) is [N, K]")
     ROW_SCALE: tl.constexpr = (BLOCK_M == 1) & (QROWS > 0) & (QROWS % BLOCK_N == 0)  # as up_tile's
     acc = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8, MX)
     PRE: tl.constexpr = A8 and DOT  # the scales a step ahead, as up_tile's
@@ -214,7 +228,7 @@ def _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi, s_hs, s_we, s_
         hs9, sw9 = fp8_scales_ahead(PRE, qs_ptr, rows, rmask, s_qs, srow, nm, s_sk, k0 + BLOCK_K, k_hi)
         acc = _down_step(h_ptr, rows, rmask, nm, acc, e, nb, n, nm, w_ptr, k0, k_hi, s_hs, s_we, s_wn, s_wk, BLOCK_K,
                          BLOCK_N, DOT, ROW_SCALE, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, False, A8, q_ptr, qs_ptr,
-                         s_qt, s_qs, hs8, sw8)
+                         s_qt, s_qs, hs8, sw8, KND)
     acc = mac_sum(acc, DOT, A8)
     return acc, n, nm
 
@@ -233,12 +247,12 @@ def _down_round(acc, e, n, nm, b_ptr, s_be, dt: tl.constexpr, HAS_BIAS: tl.const
 def down_tile(h_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_hs, s_we, s_wn, s_wk, s_be,
                dt: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
-               A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+               A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, KN: tl.constexpr = 0):
     """Expert e's down projection of h rows `rows` for output columns block nb, rounded (and biased) as HF
     -> ([BLOCK_M, BLOCK_N] fp32, column ids [BLOCK_N], column mask); the caller applies the routing weight."""
     acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
                            BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, A8=A8, q_ptr=q_ptr,
-                           qs_ptr=qs_ptr, s_qt=s_qt, s_qs=s_qs)
+                           qs_ptr=qs_ptr, s_qt=s_qt, s_qs=s_qs, KN=KN)
     return _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS), n, nm
 
 
@@ -250,7 +264,8 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                    USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk, QROWS: tl.constexpr, MX: tl.constexpr,
                    PAIRED: tl.constexpr = 0, A8: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0,
-                   BY_ROW: tl.constexpr = 0, SPLIT: tl.constexpr = 1, part_ptr=None, sem_ptr=None, k_steps=0):
+                   BY_ROW: tl.constexpr = 0, SPLIT: tl.constexpr = 1, part_ptr=None, sem_ptr=None, k_steps=0,
+                   KN: tl.constexpr = 0):
     """BY_ROW (one-row tiles, with by_slot 1): program p runs assignment p's row, each real one, so no program of a
     row block holds nothing; the expert's first assignment (lead) still keeps its counters (moe_grid.work).
     SPLIT > 1 (split-K over D, bf16 / fp32 weights, for batch-1 steps whose column blocks alone leave SMs idle): as
@@ -290,14 +305,14 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
         if SPLIT == 1:
             hv, n, nm = up_tile(x_ptr, rows, rmask, e, nb, w_ptr, b_ptr, D, I, s_xt, s_we, s_wj, s_wk, s_be, alpha,
                                 limit, dt, K, JM, JU, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj,
-                                s_sk, QROWS, MX, PAIRED, A8, q_ptr, qs_ptr, s_qt, s_qs)
+                                s_sk, QROWS, MX, PAIRED, A8, q_ptr, qs_ptr, s_qt, s_qs, KN)
             tl.store(h_ptr + rows[:, None] * s_hs + n[None, :], hv.to(dt), mask=rmask[:, None] & nm[None, :])
         else:
             k_lo = ks * k_steps * BLOCK_K  # a multiple of BLOCK_K the compiler sees (aligned, pipelined loads)
             k_hi = tl.minimum(k_lo + k_steps * BLOCK_K, D)
             acc_g, acc_u, n, nm = up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo, k_hi,
                                           dt, K, JM, JU, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS,
-                                          MX, PAIRED)
+                                          MX, PAIRED, KN=KN)
             om = rmask[:, None] & nm[None, :]
             off = rows[:, None] * (2 * I) + n[None, :]  # gate sums at off, up sums at off + I
             tl.store(part_ptr + ks * S * 2 * I + off, acc_g, mask=om)
@@ -322,7 +337,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk,
                      QROWS: tl.constexpr, MX: tl.constexpr, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
-                     q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, BY_ROW: tl.constexpr = 0):
+                     q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, BY_ROW: tl.constexpr = 0, KN: tl.constexpr = 0):
     """SPLIT > 1 (split-K over I, for batch-1 steps whose column blocks alone are too few programs): each of a
     tile's SPLIT programs stores its fp32 partial sum, and the last to finish (a per-tile counter) adds the
     partials in split order, so the result is deterministic and rounded once, as without splits; it then
@@ -370,7 +385,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
         if SPLIT == 1:
             acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, 0, I, s_hs, s_we, s_wn, s_wk,
                                    BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS, MX, w0, PRE, A8,
-                                   q_ptr, qs_ptr, s_qt, s_qs)
+                                   q_ptr, qs_ptr, s_qt, s_qs, KN)
             o = _down_round(acc, e, n, nm, b_ptr, s_be, dt, HAS_BIAS)
             tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=rmask[:, None] & nm[None, :])
@@ -379,7 +394,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
             k_hi = tl.minimum(k_lo + k_steps * BLOCK_K, I)
             acc, n, nm = _down_acc(h_ptr, rows, rmask, e, nb, w_ptr, D, I, k_lo, k_hi,
                                    s_hs, s_we, s_wn, s_wk, BLOCK_M, BLOCK_N, BLOCK_K, ws_ptr, s_se, s_sj, s_sk, QROWS,
-                                   MX, w0, PRE, A8, q_ptr, qs_ptr, s_qt, s_qs)
+                                   MX, w0, PRE, A8, q_ptr, qs_ptr, s_qt, s_qs, KN)
             om = rmask[:, None] & nm[None, :]
             tile_off = rows[:, None] * D + n[None, :]  # part: [SPLIT, S, D] fp32
             tl.store(part_ptr + ks * S * D + tile_off, acc, mask=om)
@@ -457,6 +472,9 @@ class ExpertArgs:
         assert gate_up_bias is None or gate_up_bias.stride(1) == 1
         assert down_bias is None or down_bias.stride(1) == 1
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
+        # the tensor-core tiles load such weights k-major (quant.w_tile's KN): transposed bf16 / fp32 ones (GPT-OSS's
+        # [E, D, 2I] and [E, I, D]), whose output dim is the contiguous one
+        self.kn = int(transposed and self.weights == "full")
 
     def paired(self, tiles) -> int:
         """up_tile's PAIRED: interleaved gate/up read as one tile where the tiles say so (MoeTiles.paired); unquantized
@@ -517,7 +535,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         BLOCK_M=bm, BLOCK_N=t.up_n, BLOCK_K=up_k, BLOCK_S=64, num_warps=t.warps,
         num_stages=t.stages, **a.up_scale, **a8_inputs(x, a.up_scale["A8"], bm, xq),
         **pdl_args(x.device, t.pdl_trigger), BY_ROW=int(by_row), SPLIT=up_split, part_ptr=up_part, sem_ptr=up_sems,
-        k_steps=up_steps)
+        k_steps=up_steps, KN=a.kn)
     n_blocks = triton.cdiv(D, t.down_n)
     down_k = quant_k(t.down_k, a.down_scale, bm)
     if split > 1:
@@ -533,5 +551,5 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
         HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=down_k, BLOCK_S=64,
         num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale["A8"], bm),
-        **pdl_args(x.device, t.pdl_trigger, preload=True), BY_ROW=int(by_row))
+        **pdl_args(x.device, t.pdl_trigger, preload=True), BY_ROW=int(by_row), KN=a.kn)
     return y

@@ -34,12 +34,18 @@ from moecg.kernels.launch import launch, p2, pdl_args, pdl_enter
 
 
 @triton.jit
-def w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K: tl.constexpr):
+def w_tile(w_ptr, n, nm, k0, k_hi, s_wn, s_wk, BLOCK_K: tl.constexpr, KN: tl.constexpr = 0):
     """A weight tile [BLOCK_N, BLOCK_K] as stored (values only; any format): rows n, columns k0 .. (masked past k_hi,
     and on the rows where nm is false). The GEMV's (gemv.py) and the MoE down kernel's (moe.py: w_ptr at its expert)
-    loads, also issued before their PDL wait (moecg.kernels.launch.PRELOAD)."""
+    loads, also issued before their PDL wait (moecg.kernels.launch.PRELOAD). KN: the same values as [BLOCK_K, BLOCK_N]
+    (tl.dot's own operand orientation, for mac's KN), for weights whose N dim is the contiguous one: a tl.dot operand
+    loaded [N, K] from such a weight and transposed compiles without the pipelined (async-copy) loads."""
     k = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & (k < k_hi)[None, :], other=0.0)
+    if KN:
+        w = tl.load(w_ptr + k[:, None] * s_wk + n[None, :] * s_wn, mask=(k < k_hi)[:, None] & nm[None, :], other=0.0)
+    else:
+        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=nm[:, None] & (k < k_hi)[None, :], other=0.0)
+    return w
 
 
 @triton.jit
@@ -65,11 +71,13 @@ def mac_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 
 
 @triton.jit
-def mac(x, w, acc, DOT: tl.constexpr):
-    """acc + x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] (x @ w^T). DOT: tl.dot (BLOCK_M >= 16). Else fp32
-    products x * w (exact for bf16 operands, as the MMA's) added per column into mac_init's accumulator (one row:
-    x [1, BLOCK_K] broadcast over w's rows)."""
-    if DOT:
+def mac(x, w, acc, DOT: tl.constexpr, KN: tl.constexpr = 0):
+    """acc + x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] (x @ w^T). DOT: tl.dot (BLOCK_M >= 16); with KN, w is
+    [BLOCK_K, BLOCK_N] (w_tile's KN) and goes to tl.dot as it is. Else fp32 products x * w (exact for bf16 operands,
+    as the MMA's) added per column into mac_init's accumulator (one row: x [1, BLOCK_K] broadcast over w's rows)."""
+    if DOT and KN:
+        out = tl.dot(x, w, acc)
+    elif DOT:
         out = tl.dot(x, tl.trans(w), acc)
     elif len(acc.shape) == 2:
         out = acc + x.to(tl.float32) * w.to(tl.float32)
