@@ -83,22 +83,16 @@ def up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo
         j2 = nb * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # gate and up columns of outputs n, alternating
         jm2 = j2 < 2 * I
         acc = mac_init(BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT)
-        w2 = w_ptr + e.to(tl.int64) * s_we + j2[:, None] * s_wj
         for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < k_hi
             x = tl.load(x_ptr + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            if KND:
-                w = w_tile(w_ptr + e.to(tl.int64) * s_we, j2, jm2, k0, k_hi, s_wj, s_wk, BLOCK_K, KND)
-            else:
-                w = tl.load(w2 + kk[None, :] * s_wk, mask=jm2[:, None] & km[None, :], other=0.0)
+            w = w_tile(w_ptr + e.to(tl.int64) * s_we, j2, jm2, k0, k_hi, s_wj, s_wk, BLOCK_K, KND)
             acc = mac(x, w, acc, DOT, KND)
         acc_g, acc_u = tl.split(tl.reshape(mac_sum(acc, DOT), [BLOCK_M, BLOCK_N, 2]))
     else:
         acc_g = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8, MX)
         acc_u = mac_init(BLOCK_M, BLOCK_N, BLOCK_K, DOT, ROW_SCALE, A8, MX)
-        wg = w_ptr + e.to(tl.int64) * s_we + jg[:, None] * s_wj
-        wu = w_ptr + e.to(tl.int64) * s_we + ju[:, None] * s_wj
         # A8 on the tensor cores: each step's scales loaded a step ahead (quant.fp8_scales), the up rows' as the gate's
         # (the input rows' scales of the up call are the gate call's: the compiler loads them once)
         PRE: tl.constexpr = A8 and DOT
@@ -118,12 +112,8 @@ def up_sums(x_ptr, rows, rmask, e, nb, w_ptr, D, I, s_xt, s_we, s_wj, s_wk, k_lo
                 acc_g = mx_dot(x, acc_g, we, jg, s_wj, s_wk, sb, s_sj, s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
                 acc_u = mx_dot(x, acc_u, we, ju, s_wj, s_wk, sb, s_sj, s_sk, k0, k_hi, nm, BLOCK_N, BLOCK_K, DOT)
             else:
-                if KND:
-                    g = w_tile(w_ptr + e.to(tl.int64) * s_we, jg, nm, k0, k_hi, s_wj, s_wk, BLOCK_K, KND)
-                    u = w_tile(w_ptr + e.to(tl.int64) * s_we, ju, nm, k0, k_hi, s_wj, s_wk, BLOCK_K, KND)
-                else:
-                    g = tl.load(wg + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
-                    u = tl.load(wu + kk[None, :] * s_wk, mask=nm[:, None] & km[None, :], other=0.0)
+                g = w_tile(w_ptr + e.to(tl.int64) * s_we, jg, nm, k0, k_hi, s_wj, s_wk, BLOCK_K, KND)
+                u = w_tile(w_ptr + e.to(tl.int64) * s_we, ju, nm, k0, k_hi, s_wj, s_wk, BLOCK_K, KND)
                 if A8 and DOT:
                     acc_g = fp8_mma(xq, xs8, g, sg8, acc_g, BLOCK_M)
                     acc_u = fp8_mma(xq, xs8, u, su8, acc_u, BLOCK_M)
