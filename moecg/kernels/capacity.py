@@ -10,11 +10,11 @@ Three launches, no sort, no prefix-sum kernel, no host sync:
                         tokens, computed in the kernel from the row mask with capacity_on_device's float64 ops.
                         It writes the slot table [E, C], the kept count [E], a keep flag per assignment, zeroes the
                         output rows it drops (and pad rows), and adds its expert's counters (and C applied, tokens).
-  up   [E, C/BM, I/BN]: the dropless kernels' GEMM tile (moe.up_tile) on the slot table's rows, at the tiles the
+  up   [E, C/BM, I/BN]: the dropless kernels' GEMM tile (moe_gemm.up_tile) on the slot table's rows, at the tiles the
                         table gives C rows in the weights' format (tiles.capacity_tiles; at decode sizes C is 1-4: one
                         row a program on the CUDA cores where the format's rules say so); program
                         (0, 0, 0) counts the tokens that lost all K (every expert's keep flags are written by then).
-  down [E, C/BM, D/BN]: moe.down_tile, times the combine weight (renormalised over the token's kept
+  down [E, C/BM, D/BN]: moe_gemm.down_tile, times the combine weight (renormalised over the token's kept
                         assignments if asked, from the keep flags).
 The first slot block of every expert runs even when nothing was kept: every expert's weights are read once per call,
 what capacity's padded GEMM costs (`reads_all_experts`, so the floor counts all E). Further slot blocks run only when
@@ -30,7 +30,7 @@ import triton.language as tl
 
 from moecg.moe_math import DROP_POLICIES, capacity
 from moecg.kernels.launch import dry_zeros, launch, p2
-from moecg.kernels.moe import ExpertArgs, down_tile, quant_k, up_tile
+from moecg.kernels.moe_gemm import ExpertArgs, down_tile, quant_k, up_tile
 from moecg.kernels.quant import a8_inputs
 from moecg.kernels.tiles import capacity_tiles
 

@@ -15,7 +15,8 @@ from moecg.kernels.capacity import capacity_experts
 from moecg.kernels.gemv import GEMV_MAX_T, head_linear, linear, linear_partials, router_logits, silu_mul
 from moecg.kernels.launch import Precompiler, dry_run, pdl_mode
 from moecg.kernels.mla import mla_attn_decode, mla_rope_cache, mla_splits
-from moecg.kernels.moe import ExpertArgs, moe_experts
+from moecg.kernels.moe import moe_experts
+from moecg.kernels.moe_gemm import ExpertArgs
 from moecg.kernels.norm_rope import add_rmsnorm, rope_cache
 from moecg.kernels.routers import norm_route, route, route_sigmoid_group, route_softmax_group, route_topk_softmax
 
