@@ -225,9 +225,15 @@ def main(argv=None):
                     help="how block-FP8 GEMMs take their inputs (model.activations)")
     ap.add_argument("--bandwidth-gbps", type=float, default=None,
                     help="HBM GB/s for the floor (default: moecg.floor's device table, else a copy measured here)")
+    ap.add_argument("--save-logits", default=None,
+                    help="write the first variant's logits per batch size to this file (torch.save), to compare "
+                         "another commit's package against them with --against-logits")
+    ap.add_argument("--against-logits", default=None,
+                    help="a --save-logits file: each row also says whether its logits equal that file's bits")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    saved, against = {}, (torch.load(args.against_logits) if args.against_logits else None)
     variants = {name: parse_variant(name) for name in args.variants}
     built = build_model(args.preset, num_layers=args.num_layers, device="cuda", weights=args.weights,
                         activations=args.activations)
@@ -254,17 +260,23 @@ def main(argv=None):
                 continue
             if ref_logits is None:
                 ref_logits = logits
+                saved[bs] = logits.detach().cpu()
             diff = float((logits - ref_logits).abs().max())
             same = bool(torch.equal(logits, ref_logits))
             row = {"batch_size": bs, "variant": name, "ms": ms, "floor_ms": floor, "x_floor": ms / floor,
                    "bandwidth_gbps": bw, "bandwidth_source": bw_source,
                    "same_bits_as_first": same, "max_logit_diff": diff, "max_abs_logit": float(ref_logits.abs().max()),
+                   **({"same_bits_as_saved": bool(torch.equal(logits.cpu(), against[bs])),
+                       "max_logit_diff_saved": float((logits.cpu().float() - against[bs].float()).abs().max())}
+                      if against is not None and bs in against else {}),
                    **{k: v[k] for k in v if k not in ("tiles", "gemv_tiles", "gemv_new")},
                    "tiles": v.get("tiles", {}), "gemv_tiles": v.get("gemv_tiles", {}), "gemv_new": v.get("gemv_new", {})}
             results.append(row)
             print(json.dumps(row), flush=True)
             if table:
                 tables.append((name, bs, ms, table))
+    if args.save_logits:
+        torch.save(saved, args.save_logits)
     triton_ops.moe_experts, triton_ops.attn_decode, triton_ops.linear_partials = MOE_EXPERTS, ATTN_DECODE, LINEAR_PARTIALS
     tiles_mod.fp8_gemv_tiles, tiles_mod.gemv_tiles = FP8_GEMV_TILES, GEMV_TILES
     head = (f"{args.preset}, {len(built.adapter.layers(model))} layers, {built.dtype}, weights {built.weights}, "
@@ -277,7 +289,9 @@ def main(argv=None):
     for r in results:
         lines.append(f"| {r['batch_size']} | {r['variant']} | {r['ms']:.3f} | {r['x_floor']:.2f} | "
                      f"{r['floor_ms']:.3f} | {r['same_bits_as_first']} | {r['max_logit_diff']:.2e} | "
-                     f"{r['max_abs_logit']:.3g} |")
+                     f"{r['max_abs_logit']:.3g} |"
+                     + (f" saved: same bits {r['same_bits_as_saved']}, max diff {r['max_logit_diff_saved']:.2e}"
+                        if "same_bits_as_saved" in r else ""))
     for name, bs, ms, table in tables:
         lines += ["", f"per kernel, {name} bs {bs} ({ms:.3f} ms per step):", "",
                   "| kernel | us/step | share | calls/step |", "|---|---|---|---|"]
