@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, pos_stride, split_sems
+from moecg.kernels.launch import (dry_zeros, last_arrival, launch, p2, pdl_args, pdl_enter, pos_stride,
+                                   split_sems)
 from moecg.kernels.quant import act_quant_out, store_act_quant_tile
 
 
@@ -126,9 +127,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                 tl.store(l_ptr + (row0 + sp) * GP + gi, l_i)
                 tl.store(acc_ptr + ((row0 + sp) * GP + gi)[:, None] * DH + d[None, :], acc, mask=gm[:, None])
                 if MERGE == 1:  # else _attn_merge_kernel, launched after this kernel, merges
-                    tl.debug_barrier()
-                    done = tl.atomic_add(sem_ptr + head, 1, sem="acq_rel", scope="gpu")
-                    if done == n_act - 1:  # the others' partials are visible (acquire)
+                    if last_arrival(sem_ptr, head, n_act):  # the others' partials are visible
                         _attn_merge(o_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, s_ot, t, hk, row0, n_act, G, GP, DH,
                                     HAS_SINK, SB, oq_ptr, os_ptr, s_oqt, s_ost)
                         tl.store(sem_ptr + head, 0)  # zero again for the next call (and graph replay)

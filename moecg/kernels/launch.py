@@ -94,6 +94,16 @@ def pdl_enter(MODE: tl.constexpr):
             tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def last_arrival(sem_ptr, i, n):
+    """A split program's arrival at counter i after storing its partials: True for the last of n to arrive, which then
+    sees every other program's partials (the add is acq_rel at gpu scope), merges them and stores 0 at sem_ptr + i
+    again for the next call (and graph replay). The barrier first: every thread's partial stores are issued."""
+    tl.debug_barrier()
+    done = tl.atomic_add(sem_ptr + i, 1, sem="acq_rel", scope="gpu")
+    return done == n - 1
+
+
 def pos_stride(pos: torch.Tensor, T: int) -> int:
     """A decode position: a device scalar (stride 0: every row at one position) or [T] (each row's own)."""
     if pos.numel() == 1:

@@ -17,7 +17,8 @@ import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
 from moecg.kernels.attention import merge_splits, short_splits
-from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, pos_stride, split_sems
+from moecg.kernels.launch import (dry_zeros, last_arrival, launch, p2, pdl_args, pdl_enter, pos_stride,
+                                   split_sems)
 
 _LAYOUT = {"halves": 0, "pairs_to_halves": 1, "pairs": 2}
 
@@ -170,9 +171,7 @@ def _mla_attn_kernel(ql_ptr, qp_ptr, lat_ptr, kr_ptr, pos_ptr, o_ptr, m_ptr, l_p
             tl.store(l_ptr + (row0 + sp) * HP + hi, l_i)
             tl.store(acc_ptr + ((row0 + sp) * HP + hi)[:, None] * CP + c[None, :], acc)
             if MERGE == 1:
-                tl.debug_barrier()
-                done = tl.atomic_add(sem_ptr + blk, 1, sem="acq_rel", scope="gpu")
-                if done == n_act - 1:  # every other split's partials are visible (acquire); merge in split order
+                if last_arrival(sem_ptr, blk, n_act):  # every other split's partials are visible; merge in split order
                     _mla_merge(m_ptr, l_ptr, acc_ptr, o_ptr + t * s_ot, row0, n_act, h, hi, hm, c, cm, s_oh, HP, CP, CP)
                     tl.store(sem_ptr + blk, 0)  # zero again for the next call (and graph replay)
 

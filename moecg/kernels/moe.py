@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
-from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter, split_sems
+from moecg.kernels.launch import dry_zeros, last_arrival, launch, pdl_args, pdl_enter, split_sems
 from moecg.kernels.moe_gemm import ExpertArgs, down_round, down_sums, quant_k, up_act, up_sums, up_tile
 from moecg.kernels.moe_grid import work
 from moecg.kernels.quant import a8_inputs, w_tile
@@ -89,10 +89,8 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
             off = rows[:, None] * (2 * I) + n[None, :]  # gate sums at off, up sums at off + I
             tl.store(part_ptr + ks * S * 2 * I + off, acc_g, mask=om)
             tl.store(part_ptr + ks * S * 2 * I + I + off, acc_u, mask=om)
-            tl.debug_barrier()
             tile = (p * tl.num_programs(1) + mb) * (tl.num_programs(2) // SPLIT) + nb
-            done = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if done == SPLIT - 1:  # the tile's last program: the other partials are visible (acquire)
+            if last_arrival(sem_ptr, tile, SPLIT):  # the tile's last program: the other partials are visible
                 g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for j in tl.static_range(SPLIT):
@@ -170,10 +168,8 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
             om = rmask[:, None] & nm[None, :]
             tile_off = rows[:, None] * D + n[None, :]  # part: [SPLIT, S, D] fp32
             tl.store(part_ptr + ks * S * D + tile_off, acc, mask=om)
-            tl.debug_barrier()
             tile = (p * tl.num_programs(1) + mb) * (tl.num_programs(2) // SPLIT) + nb
-            done = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if done == SPLIT - 1:  # the tile's last program: the other partials are visible (acquire)
+            if last_arrival(sem_ptr, tile, SPLIT):  # the tile's last program: the other partials are visible
                 tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for j in tl.static_range(SPLIT):
                     tot += tl.load(part_ptr + j * S * D + tile_off, mask=om, other=0.0, cache_modifier=".cg")

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moecg.kernels.launch import dry_zeros, launch, p2, pdl_args, pdl_enter, split_sems
+from moecg.kernels.launch import dry_zeros, last_arrival, launch, p2, pdl_args, pdl_enter, split_sems
 from moecg.kernels.quant import act_quant_out, quant_block, store_act_quant
 from moecg.kernels.ref import NORM_ROUTE_KINDS
 
@@ -145,9 +145,7 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
     if HAS_SKEW:
         lg = (lg + tl.load(sb_ptr + e, mask=em, other=0.0).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     tl.store(lg_ptr + t * E + e, lg, mask=em)
-    tl.debug_barrier()
-    done = tl.atomic_add(sem_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(1) - 1:  # the row's other logits are visible (acquire)
+    if last_arrival(sem_ptr, t, tl.num_programs(1)):  # the row's other logits are visible
         ea = tl.arange(0, BLOCK_EP)
         eam = ea < E
         x = tl.load(lg_ptr + t * E + ea, mask=eam, other=float("-inf"), cache_modifier=".cg")
