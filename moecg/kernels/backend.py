@@ -7,6 +7,9 @@ import importlib
 import os
 
 OPS_BACKENDS = ("auto", "triton", "torch")
+# True inside moecg.kernels.sass.sm90_dry_run(): the Triton ops are chosen on any device and launched as on a Hopper GPU
+# (PDL on), every launch recorded by launch.dry_run and none run, so a CPU machine sees what a step compiles to.
+SM90_DRY = False
 
 
 def interpreting() -> bool:
@@ -16,7 +19,7 @@ def interpreting() -> bool:
 
 def triton_ok(device) -> bool:
     """Triton kernels can run on `device` (CUDA with Triton importable, or any device under TRITON_INTERPRET=1)."""
-    if device.type != "cuda" and not interpreting():
+    if device.type != "cuda" and not interpreting() and not SM90_DRY:
         return False
     try:
         importlib.import_module("triton")

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moecg.kernels import backend
 from moecg.kernels.backend import interpreting
 
 
@@ -41,6 +42,8 @@ PRELOAD: bool = True
 
 
 def pdl_mode(device) -> int:
+    if backend.SM90_DRY:  # launches recorded for sm_90 (moecg.kernels.sass): as a Hopper GPU with PDL would launch them
+        return 2 if PDL is None else int(PDL)
     if device.type != "cuda":
         return 0
     if PDL is not None:
