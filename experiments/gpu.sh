@@ -6,8 +6,10 @@
 # Environment:
 #   OUT=<dir>            results root (default experiments/results); a suite writes $OUT/<benchmark>/ and gpu.txt there
 #   OLD=<dir>            a folder holding an older commit's moecg/ package (below): every suite runs a second time with
-#                        it first on PYTHONPATH, into $OUT/<benchmark>/old/, so before and after share one host
-#                          mkdir -p .gpu/old && git archive <sha> moecg | tar -x -C .gpu/old   # then carry .gpu/old
+#                        it first on PYTHONPATH, into $OUT/<benchmark>/old/, so before and after share one host; its
+#                        step variants also say whether their logits equal the new pass's first variant's bits
+#                          mkdir -p .gpu/old && git archive <sha> moecg | tar -x -C .gpu/old \
+#                            --exclude=moecg/checkpoints   # the stdlib weights: 25 MB of the 64 a call carries
 #   MOECG_GIT_SHA=<sha>  the commit the results record (default: git rev-parse --short HEAD where there is a .git;
 #                        a copy shipped to a GPU machine has none, so pass it); OLD_SHA=<sha> for the OLD pass
 #   WHEELS=<dir>         wheels installed into /tmp/site first when the folder holds any (default .whl: the packages
@@ -17,6 +19,7 @@
 # TRAIN_MODELS / MINUTES (`train_stdlib`), FORMATS (`weights`), STDLIB_MODELS (`fidelity`, `serving_stdlib`), MLA_ATTN_ARGS (`mla_attn`), WARMUPS (`capture`: capture.warmup values), SERVING_TIMEOUT / SERVING_ARGS / COST_TIMEOUT, BENCH_TIMEOUT (`vs_compile_families`, `weights_whole`), LONG_SPECS (`long_context`: "preset layers bs,bs;..." ), WHOLE_MODELS / WHOLE_BATCH (`weights_whole`: preset:format ..., batch sizes).
 set -u -o pipefail
 OUT=${OUT:-experiments/results}
+LOGITS=${LOGITS:-${TMPDIR:-/tmp}/moecg_logits}  # the variants' first logits (torch.save), compared bit for bit by OLD
 PASS=new  # or old: the OLD package's pass
 
 # -- helpers -------------------------------------------------------------------------------------------------------
@@ -45,9 +48,15 @@ step() {
     --json "$D/step_${preset}_${layers}.json" | grep -E "own floor|failed|Error" | head -4
 }
 # variant TAG PRESET LAYERS ARGS...: bench_step_variants on one shape, outputs variants_TAG.{md,json,log}
+# The first variant's logits are kept outside $OUT (LOGITS); with OLD, the old pass compares its rows with the new
+# pass's bits (the rows' "saved" column).
 variant() {
   local tag=$1 preset=$2 layers=$3; shift 3
-  t "variants_$tag.log" variants --preset "$preset" --num-layers "$layers" "$@" --out "$D/variants_$tag.md" \
+  local lg=$LOGITS/${D#"$OUT"/}; lg=${lg%/old}/$tag.pt
+  mkdir -p "$(dirname "$lg")"
+  local keep=(--save-logits "$lg")
+  [ "$PASS" = old ] && keep=() && [ -f "$lg" ] && keep=(--against-logits "$lg")
+  t "variants_$tag.log" variants --preset "$preset" --num-layers "$layers" "$@" "${keep[@]}" --out "$D/variants_$tag.md" \
     --json "$D/variants_$tag.json" | grep -E "^\| [0-9]|failed"
 }
 D_STEP=slot+overlap+router+gemv+pdl  # every default switch of the fused step
