@@ -312,6 +312,13 @@ def test_mxfp4_needs_whole_scale_blocks(tmp_path):
                                         r"of 32"):
         resolve_plan(_cfg("model=local", f"model.pretrained_path={tmp_path}", "model.weights=mxfp4"))
     assert resolve_plan(_cfg("model=local", f"model.pretrained_path={tmp_path}")).model.weights == "full"
+    # and the kernels' own check, for weights that reach them some other way (their K masks count whole groups)
+    from moecg.kernels.moe_gemm import ExpertArgs
+    up = Mxfp4(torch.zeros(2, 96, 32, dtype=torch.uint8), torch.full((2, 96, 2), 127, dtype=torch.uint8),
+               torch.bfloat16)  # [E, 2I, D / 2]: D 64, whole groups
+    q, s = torch.zeros(2, 64, 24, dtype=torch.uint8), torch.full((2, 64, 2), 127, dtype=torch.uint8)  # [E, D, I / 2]
+    with pytest.raises(ValueError, match=r"mxfp4 experts: K \(48\) must be whole 32-column scale groups"):
+        ExpertArgs(up, Mxfp4(q, s, torch.bfloat16))
 
 
 # -- bytes, floor, record -------------------------------------------------------------------------

@@ -238,6 +238,9 @@ def _scale_args(w, transposed: bool):
         q, s = w.q, w.scale
         if q.stride(-1) != 1 or q.stride(-2) % 4 or q.data_ptr() % 4:  # the one-row tiles read int32 words
             raise ValueError("mxfp4 experts: the packed values must be contiguous along K with 4-byte aligned rows")
+        if q.shape[-1] % 16 or s.shape[-1] * 16 != q.shape[-1]:  # quant.mx_row_mac's mask counts whole groups
+            raise ValueError(f"mxfp4 experts: K ({2 * q.shape[-1]}) must be whole 32-column scale groups, one scale "
+                             f"byte each (scales hold {s.shape[-1]})")
         return {"ws_ptr": s, "s_se": s.stride(0), "s_sj": s.stride(1), "s_sk": s.stride(2), "QROWS": 0, "MX": 1,
                 "A8": 0}, q
     if not isinstance(w, BlockFp8):
