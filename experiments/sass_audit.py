@@ -66,12 +66,14 @@ def main(argv=None) -> int:
     built = build_model(args.preset, num_layers=args.num_layers, device="cpu", dtype="bfloat16",
                         weights=args.weights, activations=args.activations,
                         config_overrides=json.loads(args.config_overrides) if args.config_overrides else None)
-    rows = []
+    rows, seqs = [], []
     for name, v in variants.items():
         seen: set = set()
         for bs in args.batch:
             set_variant(v)
-            for r in sass.audit(records_of(built.model, v, bs), seen):
+            rec = records_of(built.model, v, bs)
+            seqs.append((name, bs, [k.fn.__name__.lstrip("_") for k, *_ in rec]))
+            for r in sass.audit(rec, seen):
                 rows.append({"variant": name, "batch_size": bs, **r})
                 print(json.dumps(rows[-1]), flush=True)
     head = (f"{args.preset}, {args.num_layers} layers, weights {built.weights}, activations {args.activations}"
@@ -85,6 +87,9 @@ def main(argv=None) -> int:
         lines.append(f"| {r['variant']} | {r['batch_size']} | {r['kernel']} | {'x'.join(map(str, r['grid']))} | "
                      f"{r['warps']} | {r['stages']} | {tiles} | {r['registers']} | {r['stack']} | "
                      f"{r['shared'] / 1024:.1f} | {r['wide_loads']} | {r['async_loads']} | {r['narrow_loads']} |")
+    lines += ["", f"The step's Triton launches in order ({args.num_layers} decoder layers; torch / cuBLAS ops between them, "
+              "as the embedding, lm_head and any projection the GEMV table leaves to cuBLAS, are not listed):", ""]
+    lines += [f"- {name}, bs {bs}: {len(seq)} launches: {' '.join(seq)}" for name, bs, seq in seqs]
     write_report("\n".join(lines), rows, args, args.out, args.json)
     return 0
 
