@@ -33,8 +33,9 @@ from moecg.report import write_report
 D_STEP = "slot+overlap+router+gemv+pdl"  # every default switch of the fused step
 
 
-def records_of(model, v: dict, bs: int) -> list:
-    attach(model, make_dispatcher("fused"), max_rows=bs)
+def records_of(model, v: dict, bs: int, dispatch: str = "fused", capacity_factor: float = 1.25) -> list:
+    disp = make_dispatcher(dispatch, **({"capacity_factor": capacity_factor} if dispatch == "capacity" else {}))
+    attach(model, disp, max_rows=bs)
     try:
         with sass.sm90_dry_run() as rec:
             eng = DecodeEngine(model, 512, bs)
@@ -56,6 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=[D_STEP])
     ap.add_argument("--weights", default="full", choices=FORMATS)
     ap.add_argument("--activations", default="full", choices=ACTIVATIONS)
+    ap.add_argument("--dispatch", default="fused", choices=("fused", "capacity"),
+                    help="the experts' dispatcher on the fused step: fused (dropless) or capacity (its kernels)")
+    ap.add_argument("--capacity-factor", type=float, default=1.25)
     ap.add_argument("--config-overrides", default=None,
                     help='JSON of config fields, e.g. \'{"n_routed_experts": 32}\' for a shape too big for this '
                          "machine's memory (the grids then hold fewer experts; the tiles do not depend on it)")
@@ -71,12 +75,13 @@ def main(argv=None) -> int:
         seen: set = set()
         for bs in args.batch:
             set_variant(v)
-            rec = records_of(built.model, v, bs)
+            rec = records_of(built.model, v, bs, args.dispatch, args.capacity_factor)
             seqs.append((name, bs, [k.fn.__name__.lstrip("_") for k, *_ in rec]))
             for r in sass.audit(rec, seen):
                 rows.append({"variant": name, "batch_size": bs, **r})
                 print(json.dumps(rows[-1]), flush=True)
-    head = (f"{args.preset}, {args.num_layers} layers, weights {built.weights}, activations {args.activations}"
+    head = (f"{args.preset}, {args.num_layers} layers, weights {built.weights}, activations {args.activations}, "
+            f"dispatch {args.dispatch}" + (f" @ {args.capacity_factor}" if args.dispatch == "capacity" else "")
             + (f", config overrides {args.config_overrides}" if args.config_overrides else "")
             + "; the fused step's kernels compiled for sm_90 (moecg.kernels.sass), one row per distinct "
             "specialisation, at the first batch size that launches it")

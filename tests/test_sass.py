@@ -21,7 +21,7 @@ from moecg.kernels.moe_gemm import ExpertArgs  # noqa: E402
 from moecg.models import build_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")]
-STREAMING = ("gemv_kernel", "moe_up_kernel", "moe_down_kernel")
+STREAMING = ("gemv_kernel", "moe_up_kernel", "moe_down_kernel", "cap_up_kernel", "cap_down_kernel")
 
 
 def _audit(records, seen=None):
@@ -31,11 +31,11 @@ def _audit(records, seen=None):
         pytest.skip(str(e))
 
 
-def _step_rows(preset, overrides, batches=(1, 8)):
+def _step_rows(preset, overrides, batches=(1, 8), dispatch="fused"):
     built = build_model(preset, num_layers=1, device="cpu", dtype="bfloat16", config_overrides=overrides)
     rows, seen = [], set()
     for bs in batches:
-        attach(built.model, make_dispatcher("fused"), max_rows=bs)
+        attach(built.model, make_dispatcher(dispatch), max_rows=bs)
         try:
             with sass.sm90_dry_run() as rec:
                 eng = DecodeEngine(built.model, 128, bs)
@@ -62,14 +62,16 @@ def _check_streaming(rows):
             assert r["wide_loads"] > r["narrow_loads"], r
 
 
-@pytest.mark.parametrize("preset,overrides", [
-    ("qwen3_30b_a3b", {"vocab_size": 512, "num_experts": 16}),  # D 2048, I 768: n-contiguous experts
-    ("gpt_oss_20b", {"vocab_size": 512, "num_local_experts": 8}),  # D 2880: HF's transposed experts (k-major tiles)
+@pytest.mark.parametrize("preset,overrides,dispatch", [
+    ("qwen3_30b_a3b", {"vocab_size": 512, "num_experts": 16}, "fused"),  # D 2048, I 768: n-contiguous experts
+    ("gpt_oss_20b", {"vocab_size": 512, "num_local_experts": 8}, "fused"),  # D 2880: HF's transposed experts
+    ("gpt_oss_20b", {"vocab_size": 512, "num_local_experts": 8}, "capacity"),  # (k-major tiles), capacity kernels
 ])
-def test_step_kernels_keep_wide_pipelined_loads(preset, overrides):
-    rows = _step_rows(preset, overrides)
+def test_step_kernels_keep_wide_pipelined_loads(preset, overrides, dispatch):
+    rows = _step_rows(preset, overrides, dispatch=dispatch)
     kernels = {r["kernel"] for r in rows}
-    assert {"moe_up_kernel", "moe_down_kernel", "gemv_kernel"} <= kernels, kernels
+    moe = ("moe_up_kernel", "moe_down_kernel") if dispatch == "fused" else ("cap_up_kernel", "cap_down_kernel")
+    assert {*moe, "gemv_kernel"} <= kernels, kernels
     assert any(r["tiles"].get("KN") for r in rows) == (preset == "gpt_oss_20b")
     _check_streaming(rows)
 
@@ -96,7 +98,7 @@ def test_split_kernels_compile_like_unsplit():
         for r in _audit(rec):
             by[(r["kernel"], r["tiles"].get("SPLIT", 1))] = r
     _check_streaming(by.values())
-    for kernel in STREAMING:
+    for kernel in ("gemv_kernel", "moe_up_kernel", "moe_down_kernel"):  # the kernels that split
         one, two = by[(kernel, 1)], by[(kernel, 2)]
         assert two["shared"] == one["shared"] and two["async_loads"] == one["async_loads"], (one, two)
     assert gemv.GEMV_MAX_T >= T
