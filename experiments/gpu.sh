@@ -56,8 +56,8 @@ variant() {
   mkdir -p "$(dirname "$lg")"
   local keep=(--save-logits "$lg")
   [ "$PASS" = old ] && keep=() && [ -f "$lg" ] && keep=(--against-logits "$lg")
-  t "variants_$tag.log" variants --preset "$preset" --num-layers "$layers" "$@" "${keep[@]}" --out "$D/variants_$tag.md" \
-    --json "$D/variants_$tag.json" | grep -E "^\| [0-9]|failed"
+  t "variants_$tag.log" variants --preset "$preset" --num-layers "$layers" "$@" "${keep[@]}" \
+    --out "$D/variants_$tag.md" --json "$D/variants_$tag.json" | grep -E "^\| [0-9]|failed"
 }
 D_STEP=slot+overlap+router+gemv+pdl  # every default switch of the fused step
 

@@ -92,8 +92,8 @@ def main(argv=None) -> int:
         lines.append(f"| {r['variant']} | {r['batch_size']} | {r['kernel']} | {'x'.join(map(str, r['grid']))} | "
                      f"{r['warps']} | {r['stages']} | {tiles} | {r['registers']} | {r['stack']} | "
                      f"{r['shared'] / 1024:.1f} | {r['wide_loads']} | {r['async_loads']} | {r['narrow_loads']} |")
-    lines += ["", f"The step's Triton launches in order ({args.num_layers} decoder layers; torch / cuBLAS ops between them, "
-              "as the embedding, lm_head and any projection the GEMV table leaves to cuBLAS, are not listed):", ""]
+    lines += ["", f"The step's Triton launches in order ({args.num_layers} decoder layers; torch / cuBLAS ops between "
+              "them, as the embedding, lm_head and any projection the GEMV table leaves to cuBLAS, are not listed):", ""]
     lines += [f"- {name}, bs {bs}: {len(seq)} launches: {' '.join(seq)}" for name, bs, seq in seqs]
     write_report("\n".join(lines), rows, args, args.out, args.json)
     return 0
