@@ -254,6 +254,17 @@ suite_kmajor() {  # HF's transposed bf16 experts (GPT-OSS) and MLA's W_UK heads 
     variant "$preset" "$preset" "$layers" --batch 1 8 --repeats 3 --variants $D_STEP
   done
 }
+suite_mx_loads() {  # mxfp4 one-row expert tiles with 16-byte weight loads (b9bd006): GPT-OSS-120B and -20B in mxfp4, 12 layers, bs 1 / 8 / 16, dropless and capacity; their GPU tests (OLD=<b9bd006^'s package>: before, bit for bit)
+  bench mx_loads
+  t gpu_tests.log python3 -m pytest -q -m gpu tests/test_weights_gpu.py -k "mxfp4" | grep -E "passed|failed|FAILED" | tail -4
+  local m
+  for m in gpt_oss_120b gpt_oss_20b; do
+    variant "$m" "$m" 12 --weights mxfp4 --batch 1 8 16 --repeats 3 --variants $D_STEP
+  done
+  t capacity_gpt_oss_120b.log vs_compile --preset gpt_oss_120b --num-layers 12 --weights mxfp4 --batch 1 8 \
+    --buckets 1 8 --strategies full+fused capacity+fused --skip-hf-generate --skip-compile --repeats 2 \
+    --out "$D/capacity_gpt_oss_120b.md" --json "$D/capacity_gpt_oss_120b.json" | grep -E "own floor|failed|Error"
+}
 suite_row_grid() {  # mxfp4 experts on one-row tiles (row grid) against tl.dot_scaled and 32 x 64 columns, GPT-OSS 12 layers, bs 1-64; its GPU tests
   bench row_grid
   t gpu_tests.log python3 -m pytest -q -m gpu tests/test_weights_gpu.py tests/test_act_gpu.py \
