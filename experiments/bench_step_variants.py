@@ -13,6 +13,8 @@ Variants (names: `+`-joined switches on top of `base`):
            grid G (expert, slot, row, auto) whatever slot says
   splitN   the down GEMM split N ways over I (MoeTiles.down_split), partials added once in order, in the kernel
   overlap  the shared expert (silu-mul + down GEMM) on a second stream beside the routed experts
+  side     with overlap, where an fp32 router GEMV runs apart (DeepSeek, Kimi-K2, GLM): the shared expert's gate/up
+           GEMM on that stream too, the router first on the main one (moecg.fast.step.SHARED_GEMM_ON_SIDE)
   router   residual add + norm + router GEMV + top-k as one kernel where the router is its own linear
   gemv     the qkv and o projections on the Triton GEMV where moecg.kernels.tiles.GEMV_RULES say (else cuBLAS);
            gemv1: the same, the GEMV not triggering its successor early (GemvTiles.pdl_trigger False)
@@ -60,6 +62,7 @@ import torch
 from moecg.capture import Capture
 from moecg.dispatch import attach, detach, make_dispatcher
 from moecg.engine import DecodeEngine
+from moecg.fast import step as fast_step
 from moecg.floor import bench_bandwidth_gbps, step_floor_ms
 from moecg.kernels import gemv, tiles as tiles_mod, triton_ops
 from moecg.models import build_model
@@ -67,15 +70,15 @@ from moecg.models.formats import ACTIVATIONS, FORMATS
 from moecg.report import env_fields, write_report
 from profile_step import kernel_table  # same directory: the per-kernel profile
 
-SWITCHES = ("slot", "overlap", "router", "gemv", "gemv1")
+SWITCHES = ("slot", "overlap", "router", "gemv", "gemv1", "side")
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.MoeTiles) if f.name != "down_split")
 GEMV_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.GemvTiles) if f.name != "split_k")
 
 
 def parse_variant(name: str) -> dict:
     parts = [p for p in name.split("+") if p != "base"]
-    v = {"slot": False, "overlap": False, "router": False, "gemv": False, "gemv1": False, "pdl": 0, "split": 1,
-         "pre": True}
+    v = {"slot": False, "overlap": False, "router": False, "gemv": False, "gemv1": False, "side": False, "pdl": 0,
+         "split": 1, "pre": True}
     for p in parts:
         if p in SWITCHES:
             v[p] = True
@@ -121,6 +124,7 @@ HEAD_TILES, ROUTER_TILES, MLA_TILES = tiles_mod.head_tiles, tiles_mod.router_til
 
 def set_variant(v: dict) -> None:
     moe, tiles_of = MOE_EXPERTS, MOE_TILES
+    fast_step.SHARED_GEMM_ON_SIDE = v["side"]
     tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
     f = v.get("gemv_tiles")
     tiles_mod.fp8_gemv_tiles = FP8_GEMV_TILES if not f else (

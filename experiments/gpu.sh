@@ -265,6 +265,15 @@ suite_mx_loads() {  # mxfp4 one-row expert tiles with 16-byte weight loads (b9bd
     --buckets 1 8 --strategies full+fused capacity+fused --skip-hf-generate --skip-compile --repeats 2 \
     --out "$D/capacity_gpt_oss_120b.md" --json "$D/capacity_gpt_oss_120b.json" | grep -E "own floor|failed|Error"
 }
+suite_side() {  # the shared expert's gate/up GEMM on the side stream beside the fp32 router (moecg.fast.step.SHARED_GEMM_ON_SIDE, variant `side`): DeepSeek-V2-Lite, DeepSeek-V3, Kimi-K2, GLM-4.5-Air at bs 1 and 8; its GPU test
+  bench side
+  t gpu_tests.log python3 -m pytest -q -m gpu tests/test_latent_gpu.py -k "side_stream" | grep -E "passed|failed|FAILED" | tail -4
+  local spec preset layers
+  for spec in "deepseek_v2_lite 27" "glm4_5_air 8" "deepseek_v3 6" "kimi_k2 4"; do
+    read -r preset layers <<< "$spec"
+    variant "${preset}_$layers" "$preset" "$layers" --batch 1 8 --repeats 3 --variants $D_STEP $D_STEP+side
+  done
+}
 suite_row_grid() {  # mxfp4 experts on one-row tiles (row grid) against tl.dot_scaled and 32 x 64 columns, GPT-OSS 12 layers, bs 1-64; its GPU tests
   bench row_grid
   t gpu_tests.log python3 -m pytest -q -m gpu tests/test_weights_gpu.py tests/test_act_gpu.py \

@@ -99,3 +99,21 @@ def test_latent_fused_full_capture_matches_hf(preset):
     assert s_hf["dropped_assignments"] > 0 and s["dropped"][0] == s_hf["dropped"][0]
     assert s["routed_assignments"] == s_hf["routed_assignments"] and s["capacity_used"] == s_hf["capacity_used"]
     assert agree >= 0.95
+
+
+@pytest.mark.parametrize("preset", ["deepseek_v2_tiny", "deepseek_v3_tiny"])
+def test_shared_gemm_on_the_side_stream_gives_the_same_bits(preset, monkeypatch):
+    """moecg.fast.step.SHARED_GEMM_ON_SIDE moves the shared expert's gate/up GEMM beside the fp32 router (the same
+    kernels on the same inputs, another stream): captured and teacher-forced, every step's logits the same bits."""
+    from moecg.fast import step as fast_step
+
+    m = build_model(preset, dtype="bf16", device="cuda", seed=1).model
+    randomise_terms(m, 0)
+    prompts = prompts_for(m)
+    r_ref, _ = hf_reference(m, prompts)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(fast_step, "SHARED_GEMM_ON_SIDE", on)
+        runs.append(captured_run(m, prompts, r_ref, "full", "fused").run)
+    assert torch.equal(runs[0].tokens, runs[1].tokens)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0].logits, runs[1].logits))

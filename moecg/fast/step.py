@@ -58,6 +58,13 @@ from moecg.models.weights import stored
 
 __all__ = ["FUSED_FEATURES", "FUSED_ROUTER_KINDS", "FastDecode", "FastPathError", "check_supported"]
 
+# On CUDA with overlap_shared, layers whose fp32 router GEMV runs apart from the shared expert's gate/up GEMM
+# (DeepSeek-V2/V3, Kimi-K2, GLM-4-MoE): False (the default) runs that GEMM on the main stream before the router, the
+# shared expert forking after it; True forks at the norm's output, the gate/up GEMM on the side stream with the rest
+# of the shared expert, so the router GEMV, the router and the routed experts do not wait for it. The same kernels
+# and inputs: the same bits. A switch for timing (bench_step_variants.py's `side`), not measured yet.
+SHARED_GEMM_ON_SIDE = False
+
 
 def _q(out, quant: bool) -> tuple:
     """An op's outputs (a tuple, or one tensor) with its act_quant last: as given with quant, else None in its
@@ -313,10 +320,19 @@ class FastDecode:
                 continue
             side = None  # the shared expert's stream, once forked
             if not L.norm_route:  # (norm_route layers have their idx, w already, and no shared expert)
-                z = ops.linear(h, L.wcat, L.bcat, xq=hq) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
                 side = self._side_stream() if L.shared_inter else None
-                if side is not None:  # fork: the shared expert starts once z exists, the routing goes on here
+                # SHARED_GEMM_ON_SIDE: an fp32 router apart from wcat, which then feeds only the shared expert
+                early = (SHARED_GEMM_ON_SIDE and side is not None and L.router_w32 is not None
+                         and L.shared_gate_col is None and L.wsh is None)
+                if early:  # fork at h: the shared gate/up GEMM on the side stream too, the router GEMV first here
                     main = torch.cuda.current_stream(self.device)
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        z = ops.linear(h, L.wcat, L.bcat, xq=hq)  # [T, 2Is]
+                else:
+                    z = ops.linear(h, L.wcat, L.bcat, xq=hq) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
+                if side is not None and not early:  # fork: the shared expert starts once z exists, the routing
+                    main = torch.cuda.current_stream(self.device)  # goes on here
                     side.wait_stream(main)
                 if L.router_w32 is not None:
                     logits = ops.router_logits(h, L.router_w32)  # [T, E] fp32, as HF's router
