@@ -31,8 +31,8 @@ def _audit(records, seen=None):
         pytest.skip(str(e))
 
 
-def _step_rows(preset, overrides, batches=(1, 8), dispatch="fused"):
-    built = build_model(preset, num_layers=1, device="cpu", dtype="bfloat16", config_overrides=overrides)
+def _step_rows(preset, overrides, batches=(1, 8), dispatch="fused", layers=1):
+    built = build_model(preset, num_layers=layers, device="cpu", dtype="bfloat16", config_overrides=overrides)
     rows, seen = [], set()
     for bs in batches:
         attach(built.model, make_dispatcher(dispatch), max_rows=bs)
@@ -73,6 +73,17 @@ def test_step_kernels_keep_wide_pipelined_loads(preset, overrides, dispatch):
     moe = ("moe_up_kernel", "moe_down_kernel") if dispatch == "fused" else ("cap_up_kernel", "cap_down_kernel")
     assert {*moe, "gemv_kernel"} <= kernels, kernels
     assert any(r["tiles"].get("KN") for r in rows) == (preset == "gpt_oss_20b")
+    _check_streaming(rows)
+
+
+def test_latent_attention_step_keeps_wide_pipelined_loads():
+    """DeepSeek-V2-Lite's shapes (a dense layer, then an MoE one): the per-head W_UK GEMV on k-major tiles (the
+    n-contiguous view of kv_b_proj) and W_UV's, the MLA attention, the MoE kernels."""
+    rows = _step_rows("deepseek_v2_lite", {"vocab_size": 512, "n_routed_experts": 8}, layers=2)
+    kernels = {r["kernel"] for r in rows}
+    assert {"mla_attn_kernel", "mla_rope_cache_kernel", "moe_up_kernel", "moe_down_kernel"} <= kernels, kernels
+    assert any(r["kernel"] == "gemv_kernel" and r["tiles"].get("KN") for r in rows)  # W_UK
+    assert all(r["async_loads"] >= 8 for r in rows if r["kernel"] == "mla_attn_kernel")
     _check_streaming(rows)
 
 
