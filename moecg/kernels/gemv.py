@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
-from moecg.kernels.launch import dry_zeros, launch, pdl_args, pdl_enter
+from moecg.kernels.launch import dry_zeros, k_split, launch, pdl_args, pdl_enter
 from moecg.kernels.quant import (a8_inputs, a8_tile, act_k, act_quant_out, check_block_k, dequant_tile, fp8_mma,
                                  fp8_row_mac, fp8_scales_ahead, mac, mac_init, mac_sum, store_act_quant, w_tile)
 from moecg.models.formats import BlockFp8, fp8_input
@@ -220,15 +220,14 @@ def linear_partials(x, w, bias=None, tiles=None, xq=None):
         return linear(x, w, bias, tiles, xq)[:, None]
     rows = _rows(t, fp8)
     bk = _fp8_k(t.block_k, w, rows) if fp8 else t.block_k
-    kper = triton.cdiv(triton.cdiv(K, t.split_k), bk) * bk  # a whole number of K steps (and of 128-column scales)
-    S = triton.cdiv(K, kper)
+    ksteps, S = k_split(K, t.split_k, bk)  # whole K steps a split (and whole 128-column scales)
     y = torch.empty(S, T, N, dtype=torch.float32, device=x.device)
     q, extra = (w.q, {"ws_ptr": w.scale, "s_sn": w.scale.stride(0), "s_sk": w.scale.stride(1), "QROWS": w.rows,
                       "A8": _a8(w), **a8_inputs(x, _a8(w), rows, xq)}) if fp8 else (w, {})
     launch(_gemv_kernel, (triton.cdiv(N, t.block_n), S, triton.cdiv(T, rows)), x, q,
            bias if bias is not None else y, y, T, N, K, x.stride(0), q.stride(0), y.stride(1),
            HAS_BIAS=bias is not None, BLOCK_T=rows, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps,
-           num_stages=t.stages, SPLIT=S, ksteps=kper // bk, s_ys=y.stride(0), **extra,
+           num_stages=t.stages, SPLIT=S, ksteps=ksteps, s_ys=y.stride(0), **extra,
            **pdl_args(x.device, t.pdl_trigger, preload=True))
     return y.transpose(0, 1)  # [T, S, N]
 

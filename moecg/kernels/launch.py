@@ -77,6 +77,14 @@ def split_sems(device, n: int, kind: str) -> torch.Tensor:
     return _SEMS[key]
 
 
+def k_split(K: int, splits: int, block_k: int) -> tuple:
+    """Split-K over K in whole K steps of block_k (each split's start a multiple of BLOCK_K that the kernel computes
+    from a step count: aligned, pipelined loads): (K steps a split, the splits that then hold columns, at most
+    `splits`). splits 1: (all of K's steps, 1)."""
+    steps = triton.cdiv(triton.cdiv(K, splits), block_k)
+    return steps, triton.cdiv(K, steps * block_k)
+
+
 def pdl_args(device, trigger: bool = True, preload: bool = False) -> dict:
     """The launch arguments of a PDL-aware kernel: its USE_PDL mode and, when on, Triton's launch option.
     trigger False: at most mode 1 (the kernel's successor launches only as its blocks exit).

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from moecg.kernels import tiles as _tiles
-from moecg.kernels.launch import dry_zeros, last_arrival, launch, pdl_args, pdl_enter, split_sems
+from moecg.kernels.launch import dry_zeros, k_split, last_arrival, launch, pdl_args, pdl_enter, split_sems
 from moecg.kernels.moe_gemm import ExpertArgs, down_round, down_sums, quant_k, up_act, up_sums, up_tile
 from moecg.kernels.moe_grid import work
 from moecg.kernels.quant import a8_inputs, w_tile
@@ -212,13 +212,11 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     c = counters
     up_blocks = triton.cdiv(inter, t.up_n)
     up_k = quant_k(t.up_k, a.up_scale, bm)
-    up_split, up_steps, up_part, up_sems = 1, triton.cdiv(D, up_k), None, None
-    if t.up_split > 1:
-        if a.weights != "full":
-            raise ValueError(f"MoeTiles.up_split={t.up_split}: the up kernel splits bf16 / fp32 experts only, not "
-                             f"{a.weights} ones; use up_split=1")
-        up_steps = triton.cdiv(triton.cdiv(D, t.up_split), up_k)  # K steps a split
-        up_split = triton.cdiv(D, up_steps * up_k)
+    if t.up_split > 1 and a.weights != "full":
+        raise ValueError(f"MoeTiles.up_split={t.up_split}: the up kernel splits bf16 / fp32 experts only, not "
+                         f"{a.weights} ones; use up_split=1")
+    up_steps, up_split = k_split(D, t.up_split, up_k)  # K steps a split, splits
+    up_part = up_sems = None
     if up_split > 1:
         up_part = torch.empty(up_split, S, 2 * inter, dtype=torch.float32, device=x.device)
         up_sems = split_sems(x.device, P * m_blocks * up_blocks, "moe_up")
@@ -235,11 +233,7 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
         k_steps=up_steps, KN=a.kn)
     n_blocks = triton.cdiv(D, t.down_n)
     down_k = quant_k(t.down_k, a.down_scale, bm)
-    if split > 1:
-        k_steps = triton.cdiv(triton.cdiv(inter, split), down_k)  # K steps a split
-        split = triton.cdiv(inter, k_steps * down_k)
-    else:
-        k_steps = triton.cdiv(inter, down_k)
+    k_steps, split = k_split(inter, split, down_k)  # K steps a split, splits
     part = torch.empty(split, S, D, dtype=torch.float32, device=x.device) if split > 1 else y
     sems = split_sems(x.device, P * m_blocks * n_blocks, "moe_down") if split > 1 else idx
     launch(_moe_down_kernel, (P, m_blocks, n_blocks * split),
