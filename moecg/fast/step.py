@@ -324,16 +324,13 @@ class FastDecode:
                 # SHARED_GEMM_ON_SIDE: an fp32 router apart from wcat, which then feeds only the shared expert
                 early = (SHARED_GEMM_ON_SIDE and side is not None and L.router_w32 is not None
                          and L.shared_gate_col is None and L.wsh is None)
+                main = torch.cuda.current_stream(self.device) if side is not None else None
                 if early:  # fork at h: the shared gate/up GEMM on the side stream too, the router GEMV first here
-                    main = torch.cuda.current_stream(self.device)
                     side.wait_stream(main)
-                    with torch.cuda.stream(side):
-                        z = ops.linear(h, L.wcat, L.bcat, xq=hq)  # [T, 2Is]
-                else:
+                with torch.cuda.stream(side) if early else _nullctx():
                     z = ops.linear(h, L.wcat, L.bcat, xq=hq) if L.wcat is not None else None  # [T, 2Is (+1) (+ E)]
                 if side is not None and not early:  # fork: the shared expert starts once z exists, the routing
-                    main = torch.cuda.current_stream(self.device)  # goes on here
-                    side.wait_stream(main)
+                    side.wait_stream(main)  # goes on here
                 if L.router_w32 is not None:
                     logits = ops.router_logits(h, L.router_w32)  # [T, E] fp32, as HF's router
                 else:
