@@ -264,14 +264,14 @@ def main(argv=None):
                 continue
             if ref_logits is None:
                 ref_logits = logits
-                saved[bs] = logits.detach().cpu()
+                saved[bs] = logits
             diff = float((logits - ref_logits).abs().max())
             same = bool(torch.equal(logits, ref_logits))
             row = {"batch_size": bs, "variant": name, "ms": ms, "floor_ms": floor, "x_floor": ms / floor,
                    "bandwidth_gbps": bw, "bandwidth_source": bw_source,
                    "same_bits_as_first": same, "max_logit_diff": diff, "max_abs_logit": float(ref_logits.abs().max()),
-                   **({"same_bits_as_saved": bool(torch.equal(logits.cpu(), against[bs])),
-                       "max_logit_diff_saved": float((logits.cpu().float() - against[bs].float()).abs().max())}
+                   **({"same_bits_as_saved": bool(torch.equal(logits, against[bs])),
+                       "max_logit_diff_saved": float((logits - against[bs]).abs().max())}
                       if against is not None and bs in against else {}),
                    **{k: v[k] for k in v if k not in ("tiles", "gemv_tiles", "gemv_new")},
                    "tiles": v.get("tiles", {}), "gemv_tiles": v.get("gemv_tiles", {}), "gemv_new": v.get("gemv_new", {})}
