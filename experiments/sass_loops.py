@@ -32,6 +32,7 @@ from test_capacity_kernel import SM90_DIV16, SM90_F8, compile_sm90  # noqa: E402
 
 from moecg.kernels import gemv, moe  # noqa: E402
 from moecg.kernels.quant import act_k  # noqa: E402
+from moecg.kernels.sass import bundled_tool  # noqa: E402
 from moecg.kernels.tiles import fp8_gemv_tiles  # noqa: E402
 
 KEEP = ("QGMMA", "HMMA", "F2FP", "LDGSTS", "LDG", "LDS", "LDSM", "FMUL", "FFMA", "BAR", "WARPSYNC")
@@ -40,7 +41,7 @@ KEEP = ("QGMMA", "HMMA", "F2FP", "LDGSTS", "LDG", "LDS", "LDSM", "FMUL", "FFMA",
 def loop_mix(cubin: bytes) -> tuple[int, collections.Counter]:
     """The SASS of cubin's K loop (the longest branch back to a label above it with an MMA between; else the longest):
     (instructions, opcode counts)."""
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    nvdisasm = bundled_tool("nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

@@ -62,12 +62,14 @@ def compile_launch(kernel, args, kwargs):
     return compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def _cuobjdump() -> str:
+def bundled_tool(name: str) -> str:
+    """The path of a CUDA binary Triton's NVIDIA backend ships (cuobjdump, nvdisasm, ptxas); FileNotFoundError where
+    this Triton build has none."""
     import triton
 
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no cuobjdump in this Triton build ({path})")
+        raise FileNotFoundError(f"no {name} in this Triton build ({path})")
     return path
 
 
@@ -78,9 +80,10 @@ def stats(compiled) -> dict:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        res = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True,
+        cuobjdump = bundled_tool("cuobjdump")
+        res = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
                              check=True).stdout
-        sass = subprocess.run([_cuobjdump(), "-sass", path], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
     loads: dict = {}
     for m in re.finditer(r"\b(LDGSTS(?:\.[A-Z0-9]+)*|LDG(?:\.[A-Z0-9]+)*)\s", sass):
         loads[m.group(1)] = loads.get(m.group(1), 0) + 1
