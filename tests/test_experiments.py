@@ -287,12 +287,17 @@ def test_notebook_runs_top_to_bottom(sweep, tmp_path, monkeypatch, which):
 # -- experiments/ as named benchmarks ----------------------------------------------------------------------------
 EXP = ROOT / "experiments"
 RUNNER = EXP / "gpu.sh"
+RUNNER_FILES = (RUNNER, EXP / "gpu_step.sh")  # gpu.sh sources the fused step's suites from gpu_step.sh
+
+
+def _runner_text() -> str:
+    return "\n".join(f.read_text() for f in RUNNER_FILES)
 DIARY = re.compile(r"issue_?\d|session|(^|[_./-])(s\d+[a-z]?|r\d|run\d|round|step\d|final_[a-z])($|[_./-])")
 
 
 def _suites() -> dict[str, str]:
     """The runner's suites, name -> body (bash functions `suite_NAME() {` ... `}` at column 0)."""
-    return dict(re.findall(r"^suite_(\w+)\(\) \{(.*?)^\}", RUNNER.read_text(), re.S | re.M))
+    return dict(re.findall(r"^suite_(\w+)\(\) \{(.*?)^\}", _runner_text(), re.S | re.M))
 
 
 def test_runner_suites_name_existing_scripts_and_folders():
@@ -305,14 +310,14 @@ def test_runner_suites_name_existing_scripts_and_folders():
         first = next(line.strip() for line in body.splitlines() if line.strip() and not line.strip().startswith("#"))
         assert re.fullmatch(r"bench [a-z0-9_]+", first), f"suite {name} must start with `bench FOLDER`, not {first!r}"
     # every script the runner names (suites and their helpers) exists, and so does every pytest path
-    scripts = set(re.findall(r"experiments/[\w/]+\.py", RUNNER.read_text()))
+    scripts = set(re.findall(r"experiments/[\w/]+\.py", _runner_text()))
     assert scripts and not [s for s in scripts if not (ROOT / s).is_file()]
-    assert not [p for p in re.findall(r"\btests/[\w/.]+", RUNNER.read_text()) if not (ROOT / p).exists()]
+    assert not [p for p in re.findall(r"\btests/[\w/.]+", _runner_text()) if not (ROOT / p).exists()]
 
 
 def test_shell_scripts_parse():
     scripts = sorted(EXP.rglob("*.sh"))
-    assert RUNNER in scripts
+    assert set(RUNNER_FILES) <= set(scripts)
     for s in scripts:
         p = subprocess.run(["bash", "-n", str(s)], capture_output=True, text=True, timeout=30)
         assert p.returncode == 0, (s, p.stderr)
@@ -323,7 +328,7 @@ def test_experiments_paths_name_benchmarks_not_rounds():
     assert len(paths) > 100
     assert not [p for p in paths if DIARY.search(p.lower())]
     current = [p for p in (EXP / "results").rglob("*.md") if "history" not in p.parts]  # what the docs cite now
-    for text in (EXP / "README.md", RUNNER, *current):
+    for text in (EXP / "README.md", *RUNNER_FILES, *current):
         assert not re.search(r"issue \d|issue-\d|session|this round", text.read_text(), re.I), text
     # every results folder says which command, commit and machine produced it
     results = EXP / "results"
