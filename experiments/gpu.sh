@@ -59,7 +59,7 @@ variant() {
   t "variants_$tag.log" variants --preset "$preset" --num-layers "$layers" "$@" "${keep[@]}" \
     --out "$D/variants_$tag.md" --json "$D/variants_$tag.json" | grep -E "^\| [0-9]|failed"
 }
-D_STEP=slot+overlap+router+gemv+pdl  # every default switch of the fused step
+D_STEP=slot+overlap+side+router+gemv+pdl  # every default switch of the fused step
 
 # -- suites: suite_NAME, each starting with `bench FOLDER` ---------------------------------------------------------
 suite_tests() {  # the project's GPU tests (pytest -m gpu)

@@ -109,7 +109,7 @@ suite_side() {  # the shared expert's gate/up GEMM on the side stream beside the
   local spec preset layers
   for spec in "deepseek_v2_lite 27" "glm4_5_air 8" "deepseek_v3 6" "kimi_k2 4"; do
     read -r preset layers <<< "$spec"
-    variant "${preset}_$layers" "$preset" "$layers" --batch 1 8 --repeats 3 --variants $D_STEP $D_STEP+side
+    variant "${preset}_$layers" "$preset" "$layers" --batch 1 8 --repeats 3 --variants ${D_STEP/+side/} $D_STEP
   done
 }
 suite_row_grid() {  # mxfp4 experts on one-row tiles (row grid) against tl.dot_scaled and 32 x 64 columns, GPT-OSS 12 layers, bs 1-64; its GPU tests

@@ -30,7 +30,7 @@ from moecg.models import build_model
 from moecg.models.formats import ACTIVATIONS, FORMATS
 from moecg.report import write_report
 
-D_STEP = "slot+overlap+router+gemv+pdl"  # every default switch of the fused step
+D_STEP = "slot+overlap+side+router+gemv+pdl"  # every default switch of the fused step
 
 
 def records_of(model, v: dict, bs: int, dispatch: str = "fused", capacity_factor: float = 1.25) -> list:

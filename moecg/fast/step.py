@@ -59,11 +59,13 @@ from moecg.models.weights import stored
 __all__ = ["FUSED_FEATURES", "FUSED_ROUTER_KINDS", "FastDecode", "FastPathError", "check_supported"]
 
 # On CUDA with overlap_shared, layers whose fp32 router GEMV runs apart from the shared expert's gate/up GEMM
-# (DeepSeek-V2/V3, Kimi-K2, GLM-4-MoE): False (the default) runs that GEMM on the main stream before the router, the
-# shared expert forking after it; True forks at the norm's output, the gate/up GEMM on the side stream with the rest
-# of the shared expert, so the router GEMV, the router and the routed experts do not wait for it. The same kernels
-# and inputs: the same bits. A switch for timing (bench_step_variants.py's `side`), not measured yet.
-SHARED_GEMM_ON_SIDE = False
+# (DeepSeek-V2/V3, Kimi-K2, GLM-4-MoE): True (the default) forks at the norm's output, the gate/up GEMM on the side
+# stream with the rest of the shared expert, so the router GEMV, the router and the routed experts do not wait for
+# it; False runs that GEMM on the main stream before the router, the shared expert forking after it. The same kernels
+# and inputs: the same bits. Measured on one H100 (bench_step_variants.py's `side`, results/step_variants/side_*):
+# DeepSeek-V2-Lite 27 layers 2.568 -> 2.496 ms at bs 1, 6.783 -> 6.694 at bs 8; GLM-4.5-Air 8 layers 2.067 -> 2.046,
+# 5.507 -> 5.456; DeepSeek-V3 6 layers 3.153 -> 3.117, 7.460 -> 7.433.
+SHARED_GEMM_ON_SIDE = True
 
 
 def _q(out, quant: bool) -> tuple:

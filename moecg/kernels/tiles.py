@@ -102,9 +102,10 @@ FULL_MOE_TILE_RULES: tuple[TileRule, ...] = (
     # TB/s, so the waves were not what bounds it), without PDL 1.855 -> 1.842, and on an H200 earlier 1.699 -> 1.670
     # (experiments/results/gpt_oss_router/, step_variants/tiles_up32_gpt_oss_20b.md). The same bits. Not for the
     # capacity kernels at C 1 (their grid: every expert's slots): capacity+fused at bs 1 went 7.95 -> 8.35 ms with it
-    # (and the router change of the same commit; the router alone not measured there).
-    TileRule(MoeTiles(up_n=32, stages=3, down_n=32), tokens=(1, 2), hidden=(2880, 2881), inter=(2880, 2881),
-             kernels=("dropless",)),
+    # (and the router change of the same commit; the router alone not measured there). Since the transposed experts
+    # load through k-major tiles (cp.async), 64 columns again at bs 1 (that rule dropped): 1.862 -> 1.755 ms and 1.862
+    # -> 1.754 in two runs on one H100, where the package before them ran 32 columns at 1.799 and 64 at 1.834; the
+    # same bits (results/step_variants/kmajor_gpt_oss_20b*).
     TileRule(MoeTiles(up_n=32, stages=3, down_n=128), tokens=(8, 16), hidden=(2880, 2881), inter=(2880, 2881)),
     TileRule(MoeTiles(up_n=32, stages=3), hidden=(2880, 2881), inter=(2880, 2881)),
     # At batch 1, Qwen1.5-MoE's experts (D 2048, I 1408, 60) and GLM-4.5-Air's (D 4096, I 1408): 32 columns, twice
