@@ -175,15 +175,16 @@ def test_tile_table():
                                                                                         "fp8_dynamic")
     assert TileRule(DEFAULT, activations=("full",)).holds(1, 1, 1, 1) and not TileRule(
         DEFAULT, activations=("full",)).holds(1, 1, 1, 1, "fp8_dynamic")
-    # bf16 experts: GPT-OSS's at any batch (128 down columns at 8-15), Qwen1.5's and GLM-4.5-Air's at batch 1 on 32
-    # columns
-    assert moe_tiles(16, 2880, 2880, 32) == moe_tiles(2, 2880, 2880, 128) == MoeTiles(up_n=32, stages=3)
-    assert moe_tiles(1, 2880, 2880, 32) == capacity_tiles(1, 2880, 2880, 32) == MoeTiles(up_n=32, stages=3)
-    assert capacity_tiles(8, 2880, 2880, 32) == moe_tiles(8, 2880, 2880, 32)
+    # bf16 experts: GPT-OSS's at any batch (128 down columns at 8-15; the capacity kernels on 32 up columns),
+    # Qwen1.5's and GLM-4.5-Air's at batch 1 on 32 columns
+    assert moe_tiles(16, 2880, 2880, 32) == moe_tiles(2, 2880, 2880, 128) == moe_tiles(1, 2880, 2880, 32) == MoeTiles(
+        stages=3)
+    assert capacity_tiles(1, 2880, 2880, 32) == capacity_tiles(16, 2880, 2880, 32) == MoeTiles(up_n=32, stages=3)
+    assert capacity_tiles(8, 2880, 2880, 32) == MoeTiles(up_n=32, stages=3, down_n=128)
     assert not TileRule(DEFAULT, kernels=("dropless",)).holds(1, 1, 1, 1, kernel="capacity")
     with pytest.raises(ValueError, match="kernel"):
         moe_tiles(1, 2880, 2880, 32, kernel="grouped")
-    assert moe_tiles(8, 2880, 2880, 32) == moe_tiles(15, 2880, 2880, 32) == MoeTiles(up_n=32, stages=3, down_n=128)
+    assert moe_tiles(8, 2880, 2880, 32) == moe_tiles(15, 2880, 2880, 32) == MoeTiles(stages=3, down_n=128)
     assert moe_tiles(1, 2048, 1408, 60) == moe_tiles(1, 4096, 1408, 128) == MoeTiles(up_n=32)
     assert moe_tiles(2, 2048, 1408, 60) == moe_tiles(1, 2048, 1408, 64) == moe_tiles(1, 2048, 768, 128) == DEFAULT
     rule = TileRule(MoeTiles(block_m=32), tokens=(17, 65), hidden=(2048, 2049))
@@ -205,7 +206,7 @@ def test_tile_table():
     assert capacity_tiles(3, 2880, 2880, 128, "mxfp4") == CAPACITY_ROWS == MoeTiles(block_m=1, up_n=32, down_n=64)
     assert capacity_tiles(1, 2048, 768, 128, "fp8_block") == moe_tiles(1, 2048, 768, 128, "fp8_block")
     assert capacity_tiles(2, 2048, 1408, 60) == moe_tiles(2, 2048, 1408, 60) == DEFAULT
-    assert moe_tiles(1, 2880, 2880, 128, "full") == MoeTiles(up_n=32, stages=3)
+    assert moe_tiles(1, 2880, 2880, 128, "full") == MoeTiles(stages=3)
     with pytest.raises(KeyError):
         moe_tiles(1, 2880, 2880, 128, "fp4")
     # the block-FP8 GEMV: quantized inputs (a8) take their own rules on the tensor cores (2-16 rows), batch 1 and

@@ -105,7 +105,13 @@ FULL_MOE_TILE_RULES: tuple[TileRule, ...] = (
     # (and the router change of the same commit; the router alone not measured there). Since the transposed experts
     # load through k-major tiles (cp.async), 64 columns again at bs 1 (that rule dropped): 1.862 -> 1.755 ms and 1.862
     # -> 1.754 in two runs on one H100, where the package before them ran 32 columns at 1.799 and 64 at 1.834; the
-    # same bits (results/step_variants/kmajor_gpt_oss_20b*).
+    # same bits (results/step_variants/kmajor_gpt_oss_20b*). And the dropless kernels back on 64 up columns (the
+    # paired 128 x 128 tile), the same call: bs 1 1.755 -> 1.729 ms, bs 8 5.054 -> 4.987 (5.055 -> 4.987 in an
+    # earlier call), bs 16 6.596 -> 6.474, the same bits (step_variants/upn64_gpt_oss_20b.*, kmajor_gpt_oss_20b.*);
+    # the capacity kernels keep 32 (not measured).
+    TileRule(MoeTiles(stages=3, down_n=128), tokens=(8, 16), hidden=(2880, 2881), inter=(2880, 2881),
+             kernels=("dropless",)),
+    TileRule(MoeTiles(stages=3), hidden=(2880, 2881), inter=(2880, 2881), kernels=("dropless",)),
     TileRule(MoeTiles(up_n=32, stages=3, down_n=128), tokens=(8, 16), hidden=(2880, 2881), inter=(2880, 2881)),
     TileRule(MoeTiles(up_n=32, stages=3), hidden=(2880, 2881), inter=(2880, 2881)),
     # At batch 1, Qwen1.5-MoE's experts (D 2048, I 1408, 60) and GLM-4.5-Air's (D 4096, I 1408): 32 columns, twice
