@@ -16,8 +16,6 @@ Variants (names: `+`-joined switches on top of `base`):
   side     with overlap, where an fp32 router GEMV runs apart (DeepSeek, Kimi-K2, GLM): the shared expert's gate/up
            GEMM on that stream too, the router first on the main one (moecg.fast.step.SHARED_GEMM_ON_SIDE)
   router   residual add + norm + router GEMV + top-k as one kernel where the router is its own linear
-  dn       the MoE layer's end (residual add + the next norm) in the down kernel's last program at batch 1, where
-           the layer has no shared expert (moecg.kernels.tiles.DOWN_NORM_ROWS 1; else 0)
   gemv     the qkv and o projections on the Triton GEMV where moecg.kernels.tiles.GEMV_RULES say (else cuBLAS);
            gemv1: the same, the GEMV not triggering its successor early (GemvTiles.pdl_trigger False)
   pdl      programmatic dependent launch for every Triton kernel of the step, each triggering its successor's
@@ -72,15 +70,15 @@ from moecg.models.formats import ACTIVATIONS, FORMATS
 from moecg.report import env_fields, write_report
 from profile_step import kernel_table  # same directory: the per-kernel profile
 
-SWITCHES = ("slot", "overlap", "router", "gemv", "gemv1", "side", "dn")
+SWITCHES = ("slot", "overlap", "router", "gemv", "gemv1", "side")
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.MoeTiles) if f.name != "down_split")
 GEMV_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.GemvTiles) if f.name != "split_k")
 
 
 def parse_variant(name: str) -> dict:
     parts = [p for p in name.split("+") if p != "base"]
-    v = {"slot": False, "overlap": False, "router": False, "gemv": False, "gemv1": False, "side": False, "dn": False,
-         "pdl": 0, "split": 1, "pre": True}
+    v = {"slot": False, "overlap": False, "router": False, "gemv": False, "gemv1": False, "side": False, "pdl": 0,
+         "split": 1, "pre": True}
     for p in parts:
         if p in SWITCHES:
             v[p] = True
@@ -127,7 +125,6 @@ HEAD_TILES, ROUTER_TILES, MLA_TILES = tiles_mod.head_tiles, tiles_mod.router_til
 def set_variant(v: dict) -> None:
     moe, tiles_of = MOE_EXPERTS, MOE_TILES
     fast_step.SHARED_GEMM_ON_SIDE = v["side"]
-    tiles_mod.DOWN_NORM_ROWS = 1 if v["dn"] else 0
     tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
     f = v.get("gemv_tiles")
     tiles_mod.fp8_gemv_tiles = FP8_GEMV_TILES if not f else (

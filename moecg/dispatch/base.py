@@ -54,12 +54,6 @@ class Dispatcher:
     def forward(self, experts, hidden, idx, w, valid: torch.Tensor | None, counters: LayerCounters | None):
         raise NotImplementedError
 
-    def unreduced_norm(self, experts, hidden, idx, w, valid, counters, norm, xq=None):
-        """The MoE layer's end in the experts' own kernels: (new residual, normed rows) of add_rmsnorm(unreduced(),
-        *norm), norm = (residual, weight, eps, cast_last); None where this dispatcher cannot here (the caller then
-        runs unreduced() and add_rmsnorm itself)."""
-        return None
-
     def describe(self) -> dict:
         return {"dispatch": self.name, "capacity_factor": None, "drop_policy": None}
 

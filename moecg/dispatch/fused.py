@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from moecg.dispatch.base import register
 from moecg.dispatch.dropless import Dropless
 from moecg.dispatch.triton_path import TritonPath, kernel_spec
-from moecg.kernels import tiles
 from moecg.models.formats import EXPERT_PARAMS
 from moecg.models.weights import stored
 
@@ -36,18 +35,3 @@ class Fused(Dropless, TritonPath):
                                           gate_up_bias=experts.gate_up_proj_bias if bias else None,
                                           down_bias=experts.down_proj_bias if bias else None, xq=xq)
         return super().unreduced(experts, hidden, idx, w, valid, counters)
-
-    def unreduced_norm(self, experts, hidden, idx, w, valid, counters, norm, xq=None):
-        """unreduced() and the add_rmsnorm after it in one launch (the down kernel's last program) at batches of at
-        most moecg.kernels.tiles.DOWN_NORM_ROWS rows on the Triton path; else None."""
-        if idx.shape[0] > tiles.DOWN_NORM_ROWS or not self.use_triton(experts, hidden, idx):
-            return None
-        from moecg.kernels import triton_ops
-
-        spec = kernel_spec(experts)
-        bias = spec.has_bias
-        _, res, h = triton_ops.moe_experts(hidden, idx.contiguous(), w, *(stored(experts, n) for n in EXPERT_PARAMS),
-                                           valid, counters, spec=spec,
-                                           gate_up_bias=experts.gate_up_proj_bias if bias else None,
-                                           down_bias=experts.down_proj_bias if bias else None, xq=xq, norm=norm)
-        return res, h

@@ -348,13 +348,6 @@ class FastDecode:
                     shared = self._mlp_down(L, ops.silu_mul(zs, L.shared_inter, quant=self._down_q[i]),
                                             self._down_q[i])  # [T, D]
                 gate = z[:, L.shared_gate_col] if L.shared_gate_col is not None else None  # [T]
-            disp = state.dispatcher if state is not None else None
-            if shared is None and not nq and disp is not None:  # the layer's end in the down kernel, where it can
-                out = disp.unreduced_norm(L.experts, h, idx, w, valid, state.layer(slot), (res, nw, neps, cl), xq=hq)
-                if out is not None:
-                    (res, h), hq = out, None
-                    slot += 1
-                    continue
             y = self._experts(L, h, idx, w, valid, state, slot, hq)  # [T, K or 1, D]
             if side is not None:  # join before the combine reads `shared`
                 main.wait_stream(side)

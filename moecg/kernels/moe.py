@@ -18,7 +18,6 @@ from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, k_split, last_arrival, launch, pdl_args, pdl_enter, split_sems
 from moecg.kernels.moe_gemm import ExpertArgs, down_round, down_sums, quant_k, up_act, up_sums, up_tile
 from moecg.kernels.moe_grid import work
-from moecg.kernels.norm_rope import add_rmsnorm_row
 from moecg.kernels.quant import a8_inputs, w_tile
 
 
@@ -102,16 +101,13 @@ def _moe_up_kernel(x_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, h_ptr, cnt_p
                 tl.store(sem_ptr + tile, 0)  # zero again for the next call (and graph replay)
 
 
-@triton.jit(do_not_specialize=["S", "by_slot", "k_steps", "n_rows"])
+@triton.jit(do_not_specialize=["S", "by_slot", "k_steps"])
 def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, part_ptr, sem_ptr, S, by_slot, D, I,
                      k_steps, s_hs, s_we, s_wn, s_wk, s_be, s_ys, K: tl.constexpr, HAS_VALID: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, ws_ptr, s_se, s_sj, s_sk,
                      QROWS: tl.constexpr, MX: tl.constexpr, PRELOAD: tl.constexpr = 0, A8: tl.constexpr = 0,
-                     q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, BY_ROW: tl.constexpr = 0, KN: tl.constexpr = 0,
-                     NORM: tl.constexpr = 0, nres_ptr=None, nw_ptr=None, nout_res_ptr=None, nout_ptr=None,
-                     nsem_ptr=None, n_rows=0, n_eps=0.0, s_nrt=0, s_nort=0, s_not=0, N_CAST_LAST: tl.constexpr = 0,
-                     N_BLOCK_D: tl.constexpr = 16):
+                     q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, BY_ROW: tl.constexpr = 0, KN: tl.constexpr = 0):
     """SPLIT > 1 (split-K over I, for batch-1 steps whose column blocks alone are too few programs): each of a
     tile's SPLIT programs stores its fp32 partial sum, and the last to finish (a per-tile counter) adds the
     partials in split order, so the result is deterministic and rounded once, as without splits; it then
@@ -120,11 +116,7 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
     Its predecessor is the up kernel, which writes h only: the routing it reads (idx, and valid, written before the
     step) comes from the router kernel, complete before the up kernel's programs passed their own wait and let this
     kernel launch.
-    BY_ROW: as the up kernel's; a pad row's programs write its zeros.
-    NORM: the layer's end in the same launch: every program arrives at one counter once its outputs are stored, and
-    the last to arrive runs add_rmsnorm's rows (norm_rope.add_rmsnorm_row: y summed over K in order, + the residual
-    nres, RMSNorm with the weight nw; the new residual and the normed rows into nout_res / nout) for the n_rows rows,
-    one after another: for batch 1, where add_rmsnorm is one program after this kernel's last one anyway."""
+    BY_ROW: as the up kernel's; a pad row's programs write its zeros."""
     p = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2) // SPLIT
@@ -185,29 +177,17 @@ def _moe_down_kernel(h_ptr, idx_ptr, valid_ptr, tw_ptr, w_ptr, b_ptr, y_ptr, par
                 tw = tl.load(tw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
                 tl.store(y_ptr + rows[:, None] * s_ys + n[None, :], o * tw[:, None], mask=om)
                 tl.store(sem_ptr + tile, 0)
-    if NORM:
-        if last_arrival(nsem_ptr, 0, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)):
-            offs = tl.arange(0, N_BLOCK_D)
-            m = offs < D
-            wn = tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            for t in range(0, n_rows):
-                add_rmsnorm_row(y_ptr, nres_ptr, wn, y_ptr, y_ptr, valid_ptr, nout_res_ptr, nout_ptr, t, offs, m, D,
-                                n_eps, K * s_ys, s_ys, s_nrt, 0, 0, s_nort, s_not, K, True, False, False, HAS_VALID,
-                                N_CAST_LAST, N_BLOCK_D, True)
-            tl.store(nsem_ptr, 0)  # zero again for the next call (and graph replay)
 
 
 @dry_zeros
 def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
-                down_bias=None, tiles=None, xq=None, grid: str = "auto", norm=None):
+                down_bias=None, tiles=None, xq=None, grid: str = "auto"):
     """tiles: a moecg.kernels.tiles.MoeTiles; None: the table's choice for this shape (moe_tiles). xq: x's act_quant
     from its producer, which experts taking fp8_dynamic inputs read instead of quantizing x (quant.a8_inputs).
     grid: "expert" (a program per expert), "slot" (a program per assignment, the expert's first one runs it), "row"
     (one-row tiles, MoeTiles.block_m 1: a program per assignment, each running its own row) or "auto": row on one-row
     tiles, else slot when the assignments are fewer than the experts (decode at small batches), else expert. On the
-    expert and slot grids one-row tiles give an expert T row blocks, most of them empty programs.
-    norm (residual [T, D], weight [D], eps, cast_last): add_rmsnorm(y, residual, weight, eps, cast_last=cast_last)
-    in the down kernel's last program (NORM above); returns (y, new residual, normed) then."""
+    expert and slot grids one-row tiles give an expert T row blocks, most of them empty programs."""
     T, K = idx.shape
     D = x.shape[1]
     a = ExpertArgs(gate_up, down, spec, gate_up_bias, down_bias)
@@ -256,26 +236,11 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     k_steps, split = k_split(inter, split, down_k)  # K steps a split, splits
     part = torch.empty(split, S, D, dtype=torch.float32, device=x.device) if split > 1 else y
     sems = split_sems(x.device, P * m_blocks * n_blocks, "moe_down") if split > 1 else idx
-    nargs, nouts = _norm_args(norm, T, D, x.device)
     launch(_moe_down_kernel, (P, m_blocks, n_blocks * split),
         h, idx, valid if valid is not None else idx, wc, down, down_bias if down_bias is not None else h, y, part,
         sems, S, int(by_slot), D, inter, k_steps, h.stride(0), down.stride(0), a.s_dn, a.s_dk,
         down_bias.stride(0) if down_bias is not None else 0, y.stride(1), K=K, HAS_VALID=valid is not None,
         HAS_BIAS=down_bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=t.down_n, BLOCK_K=down_k, BLOCK_S=64,
         num_warps=t.warps, num_stages=t.stages, **a.down_scale, **a8_inputs(h, a.down_scale["A8"], bm),
-        **pdl_args(x.device, t.pdl_trigger, preload=True), BY_ROW=int(by_row), KN=a.kn, **nargs)
-    return y if norm is None else (y, *nouts)
-
-
-def _norm_args(norm, T: int, D: int, device) -> tuple:
-    """The down kernel's NORM arguments for moe_experts' norm, and its outputs (new residual, normed rows)."""
-    if norm is None:
-        return {}, ()
-    res, weight, eps, cast_last = norm
-    assert res.shape == (T, D) and res.stride(1) == 1 and weight.is_contiguous(), (res.shape, T, D)
-    new_res = torch.empty(T, D, dtype=res.dtype, device=device)
-    normed = torch.empty(T, D, dtype=res.dtype, device=device)
-    return dict(NORM=1, nres_ptr=res, nw_ptr=weight, nout_res_ptr=new_res, nout_ptr=normed,
-                nsem_ptr=split_sems(device, 1, "moe_down_norm"), n_rows=T, n_eps=float(eps), s_nrt=res.stride(0),
-                s_nort=new_res.stride(0), s_not=normed.stride(0), N_CAST_LAST=int(cast_last),
-                N_BLOCK_D=triton.next_power_of_2(D)), (new_res, normed)
+        **pdl_args(x.device, t.pdl_trigger, preload=True), BY_ROW=int(by_row), KN=a.kn)
+    return y

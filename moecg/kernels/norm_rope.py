@@ -21,21 +21,24 @@ from moecg.kernels.quant import act_quant_out, quant_block, store_act_quant
 
 # ------------------------------------------------------------------------------------------------------------
 # residual add (+ routed partial sums, + gated shared expert) + RMSNorm
-@triton.jit
-def add_rmsnorm_row(y_ptr, res_ptr, w, sh_ptr, sg_ptr, valid_ptr, out_res_ptr, out_ptr, t, offs, m, D, eps, s_yt, s_yk,
-                    s_rt, s_sht, s_sgt, s_ort, s_ot, KK: tl.constexpr, HAS_RES: tl.constexpr,
-                    HAS_SHARED: tl.constexpr, HAS_SGATE: tl.constexpr, HAS_VALID: tl.constexpr,
-                    CAST_LAST: tl.constexpr, BLOCK_D: tl.constexpr, Y_CG: tl.constexpr):
-    """Row t of add_rmsnorm (w: the norm weight, fp32, loaded): stores the new residual and the normed row, returns
-    the normed row. Y_CG: the partial rows read past L1 (other programs of the same grid wrote them: the MoE down
-    kernel's last program, moecg.kernels.moe)."""
+@triton.jit(do_not_specialize=["T"])
+def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_res_ptr, out_ptr,
+                        T, D, eps, s_yt, s_yk, s_rt, s_sht, s_sgt, s_ort, s_ot,
+                        KK: tl.constexpr, HAS_RES: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        HAS_SGATE: tl.constexpr, HAS_VALID: tl.constexpr, CAST_LAST: tl.constexpr,
+                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0,
+                        q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < D
+    # the PDL wait before the norm weight, or with PRELOAD after it (as moecg.kernels.gemv's kernel does)
+    pdl_enter(USE_PDL * (1 - PRELOAD))
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL * PRELOAD)
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for k in tl.static_range(KK):
-        if Y_CG:
-            acc += tl.load(y_ptr + t * s_yt + k * s_yk + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            acc += tl.load(y_ptr + t * s_yt + k * s_yk + offs, mask=m, other=0.0).to(tl.float32)
+        acc += tl.load(y_ptr + t * s_yt + k * s_yk + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_VALID:
         ok = tl.load(valid_ptr + t).to(tl.int1)
         acc = tl.where(ok, acc, 0.0)
@@ -57,26 +60,6 @@ def add_rmsnorm_row(y_ptr, res_ptr, w, sh_ptr, sg_ptr, valid_ptr, out_res_ptr, o
         yn = yn.to(dt).to(tl.float32)
     h = (w * yn).to(dt)
     tl.store(out_ptr + t * s_ot + offs, h, mask=m)
-    return h
-
-
-@triton.jit(do_not_specialize=["T"])
-def _add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, sh_ptr, sg_ptr, valid_ptr, out_res_ptr, out_ptr,
-                        T, D, eps, s_yt, s_yk, s_rt, s_sht, s_sgt, s_ort, s_ot,
-                        KK: tl.constexpr, HAS_RES: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        HAS_SGATE: tl.constexpr, HAS_VALID: tl.constexpr, CAST_LAST: tl.constexpr,
-                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = 0, PRELOAD: tl.constexpr = 0,
-                        q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0):
-    t = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_D)
-    m = offs < D
-    # the PDL wait before the norm weight, or with PRELOAD after it (as moecg.kernels.gemv's kernel does)
-    pdl_enter(USE_PDL * (1 - PRELOAD))
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    pdl_enter(USE_PDL * PRELOAD)
-    h = add_rmsnorm_row(y_ptr, res_ptr, w, sh_ptr, sg_ptr, valid_ptr, out_res_ptr, out_ptr, t, offs, m, D, eps, s_yt,
-                        s_yk, s_rt, s_sht, s_sgt, s_ort, s_ot, KK, HAS_RES, HAS_SHARED, HAS_SGATE, HAS_VALID, CAST_LAST,
-                        BLOCK_D, False)
     if q_ptr is not None:  # quant: the row's act_quant too, for the fp8_dynamic GEMMs after it
         store_act_quant(h, t, 0, D, q_ptr, qs_ptr, s_qt, s_qs, BLOCK_D)
 

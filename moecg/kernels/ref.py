@@ -344,15 +344,14 @@ def expert_act(gu, spec=None):
 
 
 def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=None, gate_up_bias=None,
-                down_bias=None, tiles=None, xq=None, norm=None):
+                down_bias=None, tiles=None, xq=None):
     """Dropless routed experts, unreduced: [T, K, D] fp32, y[t, k] = w[t, k] * expert_{idx[t,k]}(x[t]).
 
     gate_up [E, 2I, D] and down [E, D, I] (spec.transposed: [E, D, 2I] and [E, I, D], GPT-OSS); biases [E, 2I] and
     [E, D] are added after each GEMM's rounding, as HF adds them. spec: see expert_act.
     Rows with valid False get zeros and are not counted. counters: a LayerCounters (routed, mass, tokens).
     tiles: the Triton kernel's tile choice (moecg.kernels.tiles); xq: x's act_quant from its producer (linear's);
-    neither has a meaning here. norm (residual, weight, eps, cast_last): the layer's end too, (y, *add_rmsnorm(y,
-    residual, weight, eps, valid=valid, cast_last=cast_last)).
+    neither has a meaning here.
     """
     T, K = idx.shape
     transposed = spec is not None and spec.transposed
@@ -378,9 +377,6 @@ def moe_experts(x, idx, w, gate_up, down, valid=None, counters=None, *, spec=Non
     if counters is not None:
         idx_m, counts = route_counts(idx, valid, E)
         counters.add_routed(counts, routed_mass(idx_m, w, E), count_valid(valid, T, x.device))
-    if norm is not None:
-        res, weight, eps, cast_last = norm
-        return (y, *add_rmsnorm(y, res, weight, eps, valid=valid, cast_last=cast_last))
     return y
 
 

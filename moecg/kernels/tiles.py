@@ -310,14 +310,6 @@ def router_tiles(T: int, E: int, D: int) -> GemvTiles | None:
     return ROUTER_GEMV if T <= 16 else None
 
 
-# The MoE layer's end (residual add + the next RMSNorm, add_rmsnorm) in the dropless down kernel's last program
-# (moecg.kernels.moe's NORM) at batches of at most this many rows, where the layer has no shared expert (whose output
-# that norm would wait for) and the norm's output is not quantized; 0: never (add_rmsnorm, its own launch). That
-# program runs the rows one after another, as add_rmsnorm's one program a row would after the kernel, and saves the
-# launch between them. Not measured yet: off.
-DOWN_NORM_ROWS = 0
-
-
 def norm_warps(T: int, D: int, KK: int) -> int:
     """Warps of add_rmsnorm's one program per row (it reads KK partial rows of D fp32, the residual and the weight).
     D <= 2048: 16, more loads in flight for a kernel that runs one program at batch 1 (H200, bench_step_variants.py's
