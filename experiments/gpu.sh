@@ -12,6 +12,8 @@
 #                            --exclude=moecg/checkpoints   # the stdlib weights: 25 MB of the 64 a call carries
 #   MOECG_GIT_SHA=<sha>  the commit the results record (default: git rev-parse --short HEAD where there is a .git;
 #                        a copy shipped to a GPU machine has none, so pass it); OLD_SHA=<sha> for the OLD pass
+#   PACK=<file.tgz>      $OUT packed into one tarball after each logged command (kept up to date: a run cut short
+#                        still leaves what it measured), for machines that return only a few files
 #   WHEELS=<dir>         wheels installed into /tmp/site first when the folder holds any (default .whl: the packages
 #                        the H200 image lacks, built by make_wheelhouse.sh); WHEELS= skips the install
 # Suite knobs (defaults are the settings of the committed results): TESTS / TEST_K (pytest paths, -k; `tests`), VARIANTS
@@ -36,7 +38,10 @@ bench() {
 }
 # t FILE CMD...: run CMD, its stdout and stderr into $D/FILE and on to the console filter after it (tee -p: a filter
 # that stops early, as head does, does not cut the log short).
-t() { local f=$1; shift; "$@" 2>&1 | tee -p "$D/$f"; }
+t() { local f=$1 rc; shift; "$@" 2>&1 | tee -p "$D/$f"; rc=${PIPESTATUS[0]}; pack; return "$rc"; }
+# pack: with PACK=<file.tgz> (outside $OUT), $OUT as one tarball again after each logged command, for hosts that
+# return only a few files of a run (or of one cut short)
+pack() { [ -z "${PACK:-}" ] || tar czf "$PACK" -C "$OUT" . ; }
 vs_compile() { python3 experiments/bench_vs_compile.py "$@"; }
 variants() { python3 experiments/bench_step_variants.py "$@"; }
 
