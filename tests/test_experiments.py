@@ -292,6 +292,8 @@ RUNNER_FILES = (RUNNER, EXP / "gpu_step.sh")  # gpu.sh sources the fused step's 
 
 def _runner_text() -> str:
     return "\n".join(f.read_text() for f in RUNNER_FILES)
+
+
 DIARY = re.compile(r"issue_?\d|session|(^|[_./-])(s\d+[a-z]?|r\d|run\d|round|step\d|final_[a-z])($|[_./-])")
 
 

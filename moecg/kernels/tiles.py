@@ -112,8 +112,9 @@ FULL_MOE_TILE_RULES: tuple[TileRule, ...] = (
     TileRule(MoeTiles(stages=3, down_n=128), tokens=(8, 16), hidden=(2880, 2881), inter=(2880, 2881),
              kernels=("dropless",)),
     TileRule(MoeTiles(stages=3), hidden=(2880, 2881), inter=(2880, 2881), kernels=("dropless",)),
-    TileRule(MoeTiles(up_n=32, stages=3, down_n=128), tokens=(8, 16), hidden=(2880, 2881), inter=(2880, 2881)),
-    TileRule(MoeTiles(up_n=32, stages=3), hidden=(2880, 2881), inter=(2880, 2881)),
+    TileRule(MoeTiles(up_n=32, stages=3, down_n=128), tokens=(8, 16), hidden=(2880, 2881), inter=(2880, 2881),
+             kernels=("capacity",)),
+    TileRule(MoeTiles(up_n=32, stages=3), hidden=(2880, 2881), inter=(2880, 2881), kernels=("capacity",)),
     # At batch 1, Qwen1.5-MoE's experts (D 2048, I 1408, 60) and GLM-4.5-Air's (D 4096, I 1408): 32 columns, twice
     # the programs; Qwen1.5 24 layers 1.832 -> 1.780 ms, GLM-4.5-Air 8 layers 1.651 -> 1.620 (two runs each). Not on
     # the others measured: DeepSeek-V2-Lite (Qwen1.5's expert shape, 64 experts, top 6) 2.204 -> 2.242, Qwen3-30B-A3B
