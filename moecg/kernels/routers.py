@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moecg.kernels import tiles as _tiles
 from moecg.kernels.launch import dry_zeros, last_arrival, launch, p2, pdl_args, pdl_enter, split_sems
 from moecg.kernels.quant import act_quant_out, quant_block, store_act_quant
 from moecg.kernels.ref import NORM_ROUTE_KINDS
@@ -179,7 +180,7 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
     lg = torch.empty(T, E, dtype=torch.float32, device=a.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=a.device)
     w = torch.empty(T, top_k, dtype=dt if kind == "topk_softmax" else out_dtype, device=a.device)  # as ref's
-    be = max(2, min(p2(E) // 16, 16384 // p2(D)))  # ~16 programs per row, at most 16k weights in registers
+    be, warps = _tiles.norm_route_tiles(T, E, D)
     nb = triton.cdiv(E, be)
     sems = split_sems(a.device, T, "norm_route")
     extra, qargs = act_quant_out(T, D, a.device, quant)
@@ -187,7 +188,7 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
         a, residual, weight, router_w, logit_bias if logit_bias is not None else lg, lg, sems, new_res, normed, idx, w,
         T, D, E, eps, a.stride(0), residual.stride(0), router_w.stride(0), new_res.stride(0), normed.stride(0),
         K=top_k, NORM=normalize, HAS_SKEW=logit_bias is not None, CAST_LAST=cast_last, BLOCK_D=quant_block(D, quant),
-        BLOCK_E=be, BLOCK_EP=p2(E), num_warps=8, KK=KK, s_ak=a.stride(1), **qargs, rb_ptr=router_b,
+        BLOCK_E=be, BLOCK_EP=p2(E), num_warps=warps, KK=KK, s_ak=a.stride(1), **qargs, rb_ptr=router_b,
         TOPK_FIRST=int(kind == "topk_softmax"), **pdl_args(a.device, preload=True))
     return (new_res, normed, idx, w, *extra)
 

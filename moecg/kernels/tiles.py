@@ -311,6 +311,15 @@ def router_tiles(T: int, E: int, D: int) -> GemvTiles | None:
     return ROUTER_GEMV if T <= 16 else None
 
 
+def norm_route_tiles(T: int, E: int, D: int) -> tuple[int, int]:
+    """norm_route's (experts a program, warps): every program of a row loads the whole row and its experts' router
+    rows, and the row's last one runs the softmax / top-k over the row's logits. About 16 programs a row, at most
+    16k router weights a program in registers, 8 warps."""
+    def p2(n: int) -> int:
+        return 1 << max(n - 1, 0).bit_length()
+    return max(2, min(p2(E) // 16, 16384 // p2(D))), 8
+
+
 def norm_warps(T: int, D: int, KK: int) -> int:
     """Warps of add_rmsnorm's one program per row (it reads KK partial rows of D fp32, the residual and the weight).
     D <= 2048: 16, more loads in flight for a kernel that runs one program at batch 1 (H200, bench_step_variants.py's
