@@ -27,7 +27,8 @@ Variants (names: `+`-joined switches on top of `base`):
            step, norm_route's router rows, the norms' weights and the MoE down kernel's first tile at batch 1 load
            before it, beside the predecessor
   nw=N     add_rmsnorm with N warps (moecg.kernels.tiles.norm_warps)
-  rw=N     norm_route with N warps; rb=N: N experts a program (moecg.kernels.tiles.norm_route_tiles)
+  rw=N     norm_route with N warps; rb=N: N experts a program; rk=0: its top-k on one row of logits across the
+           warps (moecg.kernels.tiles.NormRouteTiles)
   mb=N     the split attention's merge loading N splits' partial outputs at a time (triton_ops.attn_merge_block)
   as=N     N splits per (row, kv head) context for the decode attention (triton_ops.attn_splits' choice otherwise);
            am=N: its merge (1 in the kernel, 2 the merge kernel)
@@ -94,7 +95,7 @@ def parse_variant(name: str) -> dict:
             v["pre"] = p == "pre=1"
         elif p.startswith("nw=") and p[3:].isdigit():  # add_rmsnorm's warps (tiles.norm_warps)
             v["nw"] = int(p[3:])
-        elif p[:3] in ("rw=", "rb=") and p[3:].isdigit():  # norm_route's warps, experts a program (norm_route_tiles)
+        elif p[:3] in ("rw=", "rb=", "rk=") and p[3:].isdigit():  # norm_route's tiles (tiles.norm_route_tiles)
             v[p[:2]] = int(p[3:])
         elif p.startswith("ok=") and p[3:].isdigit():  # the o projection's split-K
             v["ok"] = int(p[3:])
@@ -115,8 +116,8 @@ def parse_variant(name: str) -> dict:
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, pre=0, grid=G, nw=N, rw=N, rb=N, mb=N, "
-                             "as=N, am=N, ls=N, lm=N, lt=0, ok=N, F=N, g.F=N, gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, pre=0, grid=G, nw=N, rw=N, rb=N, rk=0, "
+                             "mb=N, as=N, am=N, ls=N, lm=N, lt=0, ok=N, F=N, g.F=N, gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
     return v
 
 
@@ -134,8 +135,9 @@ def set_variant(v: dict) -> None:
     fast_step.SHARED_GEMM_ON_SIDE = v["side"]
     fast_step.ROPE_IN_ATTENTION = v["ra"]
     tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
-    tiles_mod.norm_route_tiles = NORM_ROUTE_TILES if not ("rw" in v or "rb" in v) else (
-        lambda T, E, D: (v.get("rb") or NORM_ROUTE_TILES(T, E, D)[0], v.get("rw") or NORM_ROUTE_TILES(T, E, D)[1]))
+    nr = {f: v[k] for k, f in (("rb", "block_e"), ("rw", "warps"), ("rk", "warp_topk")) if k in v}
+    tiles_mod.norm_route_tiles = NORM_ROUTE_TILES if not nr else (
+        lambda T, E, D: dataclasses.replace(NORM_ROUTE_TILES(T, E, D), **nr))
     f = v.get("gemv_tiles")
     tiles_mod.fp8_gemv_tiles = FP8_GEMV_TILES if not f else (
         lambda T, N, K, a8=False: dataclasses.replace(FP8_GEMV_TILES(T, N, K, a8), **f))

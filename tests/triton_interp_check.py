@@ -90,10 +90,11 @@ for norm in (True, False):
     assert torch.equal(i1, i2)
     close(w1, w2)
 # residual + norm + router GEMV + top-k in one kernel, against the composition of the references; GPT-OSS's router:
-# its own bias (added before the logits' rounding) and top-k then softmax
+# its own bias (added before the logits' rounding) and top-k then softmax; 64-128 experts: the top-k a warp a row
 for En, kw in ((8, {}), (12, {"logit_bias": torch.randn(12)}), (64, {"cast_last": True}),
                (12, {"router_b": torch.randn(12), "kind": "topk_softmax"}),
-               (32, {"router_b": torch.randn(32), "logit_bias": torch.randn(32), "kind": "topk_softmax"})):
+               (32, {"router_b": torch.randn(32), "logit_bias": torch.randn(32), "kind": "topk_softmax"}),
+               (128, {}), (100, {"router_b": torch.randn(100), "kind": "topk_softmax"})):  # 64-128: warp_topk
     a_, r_, nw_, rw_ = torch.randn(T, D), torch.randn(T, D), torch.randn(D), torch.randn(En, D) / 8
     for norm in (True, False):
         got, want = tri.norm_route(a_, r_, nw_, 1e-6, rw_, K, norm, torch.float32, **kw), \

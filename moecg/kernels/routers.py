@@ -70,6 +70,47 @@ def _softmax_topk(x, e, em, K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.con
     return ids, vals
 
 
+@triton.jit
+def _topk_keys_rows(key, e, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr):
+    """_topk_keys of every row of key [W, BLOCK_E] (e [BLOCK_E]: the lanes) -> (lanes [W, KP], keys [W, KP])."""
+    kk = tl.arange(0, KP)[None, :]
+    ids = tl.zeros([key.shape[0], KP], dtype=tl.int64)
+    best = tl.full([key.shape[0], KP], _KEY_NONE, dtype=tl.int64)
+    for k in tl.static_range(K):
+        b = tl.max(key, axis=1)[:, None]
+        i = BLOCK_E - 1 - (b & 0xFFFFFFFF)
+        ids = tl.where(kk == k, i, ids)
+        best = tl.where(kk == k, b, best)
+        key = tl.where(e[None, :] == i, _KEY_NONE, key)
+    return ids, best
+
+
+@triton.jit
+def _softmax_topk_rows(x, e, em, K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """_softmax_topk of every row of x [W, BLOCK_E] -> (ids [W, K], weights [W, K])."""
+    x = tl.where(em[None, :], x, float("-inf"))
+    x = x - tl.max(x, axis=1)[:, None]
+    p = tl.exp(x)
+    p = p / tl.sum(p, axis=1)[:, None]
+    key = tl.where(em[None, :], _order_key(p, e[None, :], BLOCK_E), _KEY_NONE)
+    ids, best = _topk_keys_rows(key, e, K, K, BLOCK_E)
+    vals = _key_value(best)
+    if NORM:
+        vals = vals / tl.sum(vals, axis=1)[:, None]
+    return ids, vals
+
+
+@triton.jit
+def _topk_softmax_rows(x, e, em, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr):
+    """_topk_softmax of every row of x [W, BLOCK_E] -> (ids [W, KP], weights [W, KP])."""
+    kk = tl.arange(0, KP)[None, :]
+    key = tl.where(em[None, :], _order_key(x, e[None, :], BLOCK_E), _KEY_NONE)
+    ids, best = _topk_keys_rows(key, e, K, KP, BLOCK_E)
+    vals = tl.where(kk < K, _key_value(best), float("-inf"))
+    p = tl.exp(vals - tl.max(vals, axis=1)[:, None])
+    return ids, p / tl.sum(p, axis=1)[:, None]
+
+
 @triton.jit(do_not_specialize=["T"])
 def _route_kernel(lg_ptr, idx_ptr, w_ptr, T, E, s_lt, K: tl.constexpr, NORM: tl.constexpr,
                   BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = 0):
@@ -109,7 +150,7 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
                        HAS_SKEW: tl.constexpr, CAST_LAST: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_EP: tl.constexpr, USE_PDL: tl.constexpr = 0, KK: tl.constexpr = 1,
                        s_ak=0, PRELOAD: tl.constexpr = 0, q_ptr=None, qs_ptr=None, s_qt=0, s_qs=0, rb_ptr=None,
-                       TOPK_FIRST: tl.constexpr = 0):
+                       TOPK_FIRST: tl.constexpr = 0, WROWS: tl.constexpr = 1):
     t = tl.program_id(0)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -149,14 +190,25 @@ def _norm_route_kernel(a_ptr, res_ptr, nw_ptr, rw_ptr, sb_ptr, lg_ptr, sem_ptr, 
     if last_arrival(sem_ptr, t, tl.num_programs(1)):  # the row's other logits are visible
         ea = tl.arange(0, BLOCK_EP)
         eam = ea < E
-        x = tl.load(lg_ptr + t * E + ea, mask=eam, other=float("-inf"), cache_modifier=".cg")
-        if TOPK_FIRST:
-            ids, vals = _topk_softmax(x, ea, eam, K, K, BLOCK_EP)
-        else:
-            ids, vals = _softmax_topk(x, ea, eam, K, NORM, BLOCK_EP)
         kk2 = tl.arange(0, K)
-        tl.store(idx_ptr + t * K + kk2, ids)
-        tl.store(w_ptr + t * K + kk2, vals.to(w_ptr.dtype.element_ty))
+        if WROWS > 1:  # every warp a copy of the row's logits: reductions inside a warp, no block barrier
+            wr_ = tl.arange(0, WROWS)[:, None]
+            x = tl.load(lg_ptr + t * E + wr_ * 0 + ea[None, :], mask=eam[None, :], other=float("-inf"),
+                        cache_modifier=".cg")  # [WROWS, BLOCK_EP]
+            if TOPK_FIRST:
+                ids, vals = _topk_softmax_rows(x, ea, eam, K, K, BLOCK_EP)
+            else:
+                ids, vals = _softmax_topk_rows(x, ea, eam, K, NORM, BLOCK_EP)
+            tl.store(idx_ptr + t * K + wr_ * 0 + kk2[None, :], ids, mask=wr_ == 0)
+            tl.store(w_ptr + t * K + wr_ * 0 + kk2[None, :], vals.to(w_ptr.dtype.element_ty), mask=wr_ == 0)
+        else:
+            x = tl.load(lg_ptr + t * E + ea, mask=eam, other=float("-inf"), cache_modifier=".cg")
+            if TOPK_FIRST:
+                ids, vals = _topk_softmax(x, ea, eam, K, K, BLOCK_EP)
+            else:
+                ids, vals = _softmax_topk(x, ea, eam, K, NORM, BLOCK_EP)
+            tl.store(idx_ptr + t * K + kk2, ids)
+            tl.store(w_ptr + t * K + kk2, vals.to(w_ptr.dtype.element_ty))
         tl.store(sem_ptr + t, 0)  # zero again for the next call (and graph replay)
 
 
@@ -180,7 +232,8 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
     lg = torch.empty(T, E, dtype=torch.float32, device=a.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=a.device)
     w = torch.empty(T, top_k, dtype=dt if kind == "topk_softmax" else out_dtype, device=a.device)  # as ref's
-    be, warps = _tiles.norm_route_tiles(T, E, D)
+    tiles = _tiles.norm_route_tiles(T, E, D)
+    be, warps = tiles.block_e, tiles.warps
     nb = triton.cdiv(E, be)
     sems = split_sems(a.device, T, "norm_route")
     extra, qargs = act_quant_out(T, D, a.device, quant)
@@ -189,7 +242,8 @@ def norm_route(a, residual, weight, eps: float, router_w, top_k: int, normalize:
         T, D, E, eps, a.stride(0), residual.stride(0), router_w.stride(0), new_res.stride(0), normed.stride(0),
         K=top_k, NORM=normalize, HAS_SKEW=logit_bias is not None, CAST_LAST=cast_last, BLOCK_D=quant_block(D, quant),
         BLOCK_E=be, BLOCK_EP=p2(E), num_warps=warps, KK=KK, s_ak=a.stride(1), **qargs, rb_ptr=router_b,
-        TOPK_FIRST=int(kind == "topk_softmax"), **pdl_args(a.device, preload=True))
+        TOPK_FIRST=int(kind == "topk_softmax"), WROWS=warps if tiles.warp_topk and 64 <= p2(E) <= 128 else 1,
+        **pdl_args(a.device, preload=True))
     return (new_res, normed, idx, w, *extra)
 
 

@@ -311,13 +311,22 @@ def router_tiles(T: int, E: int, D: int) -> GemvTiles | None:
     return ROUTER_GEMV if T <= 16 else None
 
 
-def norm_route_tiles(T: int, E: int, D: int) -> tuple[int, int]:
-    """norm_route's (experts a program, warps): every program of a row loads the whole row and its experts' router
-    rows, and the row's last one runs the softmax / top-k over the row's logits. About 16 programs a row, at most
-    16k router weights a program in registers, 8 warps."""
+@dataclass(frozen=True)
+class NormRouteTiles:
+    """norm_route's experts a program (block_e) and warps: every program of a row loads the whole row and its experts'
+    router rows, and the row's last one runs the softmax / top-k over the row's logits; warp_topk: that last phase
+    on a [warps, experts] copy of the logits, one row a warp, so its reductions stay inside a warp (no block barrier;
+    64-128 experts: one warp holds a row in 4-wide loads; fewer had fewer barriers across the warps already)."""
+    block_e: int
+    warps: int = 8
+    warp_topk: bool = True
+
+
+def norm_route_tiles(T: int, E: int, D: int) -> NormRouteTiles:
+    """About 16 programs a row, at most 16k router weights a program in registers, 8 warps."""
     def p2(n: int) -> int:
         return 1 << max(n - 1, 0).bit_length()
-    return max(2, min(p2(E) // 16, 16384 // p2(D))), 8
+    return NormRouteTiles(max(2, min(p2(E) // 16, 16384 // p2(D))))
 
 
 def norm_warps(T: int, D: int, KK: int) -> int:
