@@ -140,14 +140,6 @@ for preset in ("qwen2_moe_tiny", "qwen3_moe_tiny"):
     prompts = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
     for step in fused_backends_agree(model, prompts, 32, 6, preset):
         assert any(L.norm_route for L in step.layers) == (preset == "qwen3_moe_tiny")
-# q and the position's key roped inside the attention kernel (moecg.fast.step.ROPE_IN_ATTENTION; per-head q/k norms)
-from moecg.fast import step as fast_step  # noqa: E402
-
-fast_step.ROPE_IN_ATTENTION = True
-model = build_model("qwen3_moe_tiny", dtype="fp32", device="cpu", seed=0).model
-prompts = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(1))
-fused_backends_agree(model, prompts, 32, 6, "qwen3_moe_tiny, rope in attention")
-fast_step.ROPE_IN_ATTENTION = False
 # the small-batch GEMV: N not a multiple of the column block, K not a multiple of the K step, with and without bias,
 # T up to the one row block (16); above it, and where the table has no rule, F.linear
 from moecg.kernels.tiles import GemvTiles  # noqa: E402
