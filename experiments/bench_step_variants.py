@@ -15,8 +15,6 @@ Variants (names: `+`-joined switches on top of `base`):
   overlap  the shared expert (silu-mul + down GEMM) on a second stream beside the routed experts
   side     with overlap, where an fp32 router GEMV runs apart (DeepSeek, Kimi-K2, GLM): the shared expert's gate/up
            GEMM on that stream too, the router first on the main one (moecg.fast.step.SHARED_GEMM_ON_SIDE)
-  ra       q and the position's key roped inside the attention kernel, which writes the key and value
-           (moecg.fast.step.ROPE_IN_ATTENTION; per-head q/k norms or none)
   router   residual add + norm + router GEMV + top-k as one kernel where the router is its own linear
   gemv     the qkv and o projections on the Triton GEMV where moecg.kernels.tiles.GEMV_RULES say (else cuBLAS);
            gemv1: the same, the GEMV not triggering its successor early (GemvTiles.pdl_trigger False)
@@ -74,15 +72,14 @@ from moecg.models.formats import ACTIVATIONS, FORMATS
 from moecg.report import env_fields, write_report
 from profile_step import kernel_table  # same directory: the per-kernel profile
 
-SWITCHES = ("slot", "overlap", "router", "gemv", "gemv1", "side", "ra")
+SWITCHES = ("slot", "overlap", "router", "gemv", "gemv1", "side")
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.MoeTiles) if f.name != "down_split")
 GEMV_FIELDS = tuple(f.name for f in dataclasses.fields(tiles_mod.GemvTiles) if f.name != "split_k")
 
 
 def parse_variant(name: str) -> dict:
     parts = [p for p in name.split("+") if p != "base"]
-    v = {"slot": False, "overlap": False, "router": False, "gemv": False, "gemv1": False, "side": False, "ra": False,
-         "pdl": 0,
+    v = {"slot": False, "overlap": False, "router": False, "gemv": False, "gemv1": False, "side": False, "pdl": 0,
          "split": 1, "pre": True}
     for p in parts:
         if p in SWITCHES:
@@ -133,7 +130,6 @@ HEAD_TILES, ROUTER_TILES, MLA_TILES = tiles_mod.head_tiles, tiles_mod.router_til
 def set_variant(v: dict) -> None:
     moe, tiles_of = MOE_EXPERTS, MOE_TILES
     fast_step.SHARED_GEMM_ON_SIDE = v["side"]
-    fast_step.ROPE_IN_ATTENTION = v["ra"]
     tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
     nr = {f: v[k] for k, f in (("rb", "block_e"), ("rw", "warps"), ("rk", "warp_topk")) if k in v}
     tiles_mod.norm_route_tiles = NORM_ROUTE_TILES if not nr else (

@@ -60,28 +60,6 @@ for p, window, sk in ((150, 0, None), (199, 0, sinks), (180, 100, sinks), (torch
         pos = p if isinstance(p, torch.Tensor) else torch.tensor(p)
         close(ref.attn_decode(q, keys2, vals2, pos, 0.25, window, sinks=sk),
               tri.attn_decode(q, keys2, vals2, pos, 0.25, window, sinks=sk, splits=splits, merge=2))
-# rope_cache + attn_decode in one kernel: q roped in every program, the position's k and v by its split (written
-# into the cache, attended from registers); per-head norms, partial rotary, clip, sinks, windows, per-row positions,
-# one split / several / the merge kernel, HF eager's two passes
-cos2, sin2 = torch.randn(L2, Dh), torch.randn(L2, Dh)
-for p, window, sk, R, qn, clip, kw in (
-        (150, 0, None, Dh, None, None, {"splits": 3}), (199, 0, sinks, Dh, torch.randn(Dh), None, {"splits": 2}),
-        (180, 100, sinks, 8, None, 0.5, {"splits": 3, "merge": 2}), (60, 0, None, 8, torch.randn(Dh), None, {}),
-        (torch.tensor([199, 20, 120]), 0, sinks, Dh, torch.randn(Dh), None, {"splits": 3}),
-        (torch.tensor([5, 190, 64]), 0, None, Dh, None, 0.7, {"splits": 2, "merge": 2}),
-        (120, 0, sinks, Dh, None, None, {"eager": True})):
-    pos = p if isinstance(p, torch.Tensor) else torch.tensor(p)
-    kn = None if qn is None else torch.randn(Dh)
-    k1, v1 = keys2.clone(), vals2.clone()
-    k2, v2 = keys2.clone(), vals2.clone()
-    eager = kw.pop("eager", False)
-    args = (pos, cos2[:, :R].contiguous(), sin2[:, :R].contiguous())
-    close(ref.rope_attn_decode(qkv, *args, k1, v1, Hq, Hkv, Dh, 0.25, window, sk, eager, q_norm=qn, k_norm=kn,
-                               clip=clip),
-          tri.rope_attn_decode(qkv, *args, k2, v2, Hq, Hkv, Dh, 0.25, window, sk, eager, q_norm=qn, k_norm=kn,
-                               clip=clip, **kw))
-    close(k1, k2)
-    close(v1, v2, 0)
 assert all(int(s.abs().sum()) == 0 for s in launch._SEMS.values())
 logits = torch.randn(T, E + 3)[:, :E]
 for norm in (True, False):

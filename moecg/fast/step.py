@@ -67,12 +67,6 @@ __all__ = ["FUSED_FEATURES", "FUSED_ROUTER_KINDS", "FastDecode", "FastPathError"
 # 5.507 -> 5.456; DeepSeek-V3 6 layers 3.153 -> 3.117, 7.460 -> 7.433.
 SHARED_GEMM_ON_SIDE = True
 
-# Standard attention whose q/k norms (if any) are per head: True ropes q and the position's k inside the attention
-# kernel (ops.rope_attn_decode, which also writes the key and value into the cache), one serialized kernel a layer
-# fewer; False: rope_cache, then attn_decode (OLMoE's norm over the whole projection always). The same arithmetic;
-# a per-head norm's sum of squares may add in another order.
-ROPE_IN_ATTENTION = False
-
 
 def _q(out, quant: bool) -> tuple:
     """An op's outputs (a tuple, or one tensor) with its act_quant last: as given with quant, else None in its
@@ -302,17 +296,11 @@ class FastDecode:
                 o = latent.attend(ops, L.mla, h, pos, cos, sin, clayers[i].keys, clayers[i].values)  # [T, H*Dv]
             else:
                 qkv = ops.linear(h, L.wqkv, L.bqkv, xq=hq)  # [T, (Hq+2Hkv)*Dh]
-                kv = clayers[i].keys, clayers[i].values
-                if ROPE_IN_ATTENTION and (L.q_norm is None or L.q_norm.numel() == L.head_dim):
-                    o = ops.rope_attn_decode(qkv, pos, cos, sin, *kv, L.n_q, L.n_kv, L.head_dim, L.scaling, L.window,
-                                             sinks=L.sinks, eager=self.eager_attn, quant=self._o_q[i],
-                                             q_norm=L.q_norm, k_norm=L.k_norm, eps=L.qk_eps, clip=L.clip)
-                else:
-                    q = ops.rope_cache(qkv, pos, cos, sin, *kv, L.n_q, L.n_kv, L.head_dim, L.q_norm, L.k_norm,
-                                       L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
-                    o = ops.attn_decode(q, *kv, pos, L.scaling, L.window, sinks=L.sinks, eager=self.eager_attn,
-                                        quant=self._o_q[i])
-                o, oq = _q(o, self._o_q[i])  # [T, Hq*Dh]
+                q = ops.rope_cache(qkv, pos, cos, sin, clayers[i].keys, clayers[i].values, L.n_q, L.n_kv,
+                                   L.head_dim, L.q_norm, L.k_norm, L.qk_eps, clip=L.clip)  # [T, Hq, Dh]
+                o, oq = _q(ops.attn_decode(q, clayers[i].keys, clayers[i].values, pos, L.scaling, L.window,
+                                           sinks=L.sinks, eager=self.eager_attn, quant=self._o_q[i]),
+                           self._o_q[i])  # [T, Hq*Dh]
             a = ops.linear_partials(o, L.wo, L.bo, xq=oq)  # [T, S, D]: S split-K partial rows, or the output
             pq, nq = self._post_q[i], self._in_q[i + 1]  # quant: the next GEMMs take fp8_dynamic inputs
             if L.norm_route:  # residual + norm + router GEMV + softmax/top-k: one kernel

@@ -15,7 +15,7 @@ from moecg.kernels.backend import OPS_BACKENDS, interpreting, triton_ok
 __all__ = ["get_ops", "triton_ok", "interpreting", "ref", "OPS", "OPS_BACKENDS"]
 
 # The op functions both backends expose, with the same signatures (a backend may take extra tuning keywords)
-OPS = ("add_rmsnorm", "rope_cache", "attn_decode", "rope_attn_decode", "mla_rope_cache", "mla_attn_decode", "route", "norm_route",
+OPS = ("add_rmsnorm", "rope_cache", "attn_decode", "mla_rope_cache", "mla_attn_decode", "route", "norm_route",
        "route_sigmoid_group", "route_topk_softmax", "route_softmax_group", "linear", "head_linear", "router_logits",
        "silu_mul",
        "moe_experts",

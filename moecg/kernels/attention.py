@@ -17,7 +17,6 @@ import triton.language as tl
 
 from moecg.kernels.launch import (dry_zeros, last_arrival, launch, p2, pdl_args, pdl_enter, pos_stride,
                                    split_sems)
-from moecg.kernels.norm_rope import rope_heads
 from moecg.kernels.quant import act_quant_out, store_act_quant_tile
 
 
@@ -45,9 +44,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                         SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, EAGER: tl.constexpr,
                         TWO_PASS: tl.constexpr, SUB_ROUND: tl.constexpr, SB: tl.constexpr = 1,
                         USE_PDL: tl.constexpr = 0, MERGE: tl.constexpr = 1, oq_ptr=None, os_ptr=None, s_oqt=0,
-                        s_ost=0, ROPE: tl.constexpr = 0, R: tl.constexpr = 0, HAS_QKN: tl.constexpr = 0,
-                        HAS_CLIP: tl.constexpr = 0, cos_ptr=None, sin_ptr=None, qn_ptr=None, kn_ptr=None, eps=0.0,
-                        clip=0.0):
+                        s_ost=0):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     hk = tl.program_id(1)
@@ -60,27 +57,8 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
     gi = tl.arange(0, GP)
     d = tl.arange(0, DH)
     gm = gi < G
+    q = tl.load(q_ptr + t * s_qt + (hk * G + gi)[:, None] * s_qh + d[None, :], mask=gm[:, None], other=0.0)
     dt = q_ptr.dtype.element_ty
-    if ROPE:  # q_ptr: the qkv projection's rows; q roped here, and the position's key and value (rope_attn_decode)
-        row = q_ptr + t * s_qt
-        hq = tl.num_programs(1) * G
-        q = rope_heads(row, hk * G + gi, gm, d, pos, cos_ptr, sin_ptr, qn_ptr, eps, clip, R, DH, HAS_QKN, HAS_CLIP,
-                       dt)  # [GP, DH]
-        h1 = hq + hk + tl.arange(0, 1)
-        kn = rope_heads(row, h1, h1 >= 0, d, pos, cos_ptr, sin_ptr, kn_ptr, eps, clip, R, DH, HAS_QKN, HAS_CLIP,
-                        dt).to(k_ptr.dtype.element_ty)  # [1, DH]
-        vn = tl.load(row + (hq + tl.num_programs(1) + hk) * DH + d[None, :]).to(tl.float32)  # [1, DH]
-        if HAS_CLIP:
-            vn = tl.minimum(tl.maximum(vn, -clip), clip)
-        vn = vn.to(v_ptr.dtype.element_ty)
-        n_last = 1
-        if SPLIT:
-            n_last = tl.cdiv(n - lo, chunk)
-        if sp == n_last - 1:  # the split that holds the position writes its key and value into the cache
-            tl.store(k_ptr + t * s_kb + hk * s_kh + pos * s_kl + d[None, :], kn)
-            tl.store(v_ptr + t * s_vb + hk * s_vh + pos * s_vl + d[None, :], vn)
-    else:
-        q = tl.load(q_ptr + t * s_qt + (hk * G + gi)[:, None] * s_qh + d[None, :], mask=gm[:, None], other=0.0)
     kb = k_ptr + t * s_kb + hk * s_kh
     vb = v_ptr + t * s_vb + hk * s_vh
     if TWO_PASS:  # HF eager with sinks: softmax(round(cat(scores, sink) - max)), the max over keys and sink
@@ -90,8 +68,6 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
             sl = s0 + tl.arange(0, BLOCK_L)
             lm = sl < stop
             k = tl.load(kb + sl[:, None] * s_kl + d[None, :], mask=lm[:, None], other=0.0)
-            if ROPE:  # the position's key from registers (its cache slot is being written)
-                k = tl.where((sl == pos)[:, None], kn, k)
             s = tl.where(lm[None, :], _scores(q, k, scaling, dt, EAGER), float("-inf"))
             m = tl.maximum(m, tl.max(s, axis=1))
         xs = sk - m
@@ -103,16 +79,12 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
             sl = s0 + tl.arange(0, BLOCK_L)
             lm = sl < stop
             k = tl.load(kb + sl[:, None] * s_kl + d[None, :], mask=lm[:, None], other=0.0)
-            if ROPE:  # the position's key from registers (its cache slot is being written)
-                k = tl.where((sl == pos)[:, None], kn, k)
             x = _scores(q, k, scaling, dt, EAGER) - m[:, None]
             if SUB_ROUND:
                 x = x.to(dt).to(tl.float32)
             p = tl.where(lm[None, :], tl.exp(x), 0.0)
             l_i += tl.sum(p, axis=1)
             v = tl.load(vb + sl[:, None] * s_vl + d[None, :], mask=lm[:, None], other=0.0)
-            if ROPE:
-                v = tl.where((sl == pos)[:, None], vn, v)
             acc += tl.dot(p.to(v.dtype), v)
         out = acc / l_i[:, None]
         store_out(o_ptr, out, t, s_ot, hk * G + gi, gm, d, DH, oq_ptr, os_ptr, s_oqt, s_ost)
@@ -136,8 +108,6 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                 sl = s0 + tl.arange(0, BLOCK_L)
                 lm = sl < stop
                 k = tl.load(kb + sl[:, None] * s_kl + d[None, :], mask=lm[:, None], other=0.0)
-                if ROPE:  # the position's key from registers (its cache slot is being written)
-                    k = tl.where((sl == pos)[:, None], kn, k)
                 s = _scores(q, k, scaling, dt, EAGER)  # [GP, BLOCK_L]
                 s = tl.where(lm[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -145,8 +115,6 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, sink_ptr, o_ptr, m_ptr, l_
                 p = tl.exp(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 v = tl.load(vb + sl[:, None] * s_vl + d[None, :], mask=lm[:, None], other=0.0)
-                if ROPE:
-                    v = tl.where((sl == pos)[:, None], vn, v)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
             if direct:
@@ -318,39 +286,9 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     merge_block: splits per load of the in-kernel merge (None: attn_merge_block's choice). merge: 1 the last split
     merges in the kernel, 2 _attn_merge_kernel after it (None: 2 above MERGE_INLINE_MAX splits). quant: the output's
     act_quant too, second (as ref.attn_decode's), from the programs that write the output (store_out)."""
-    T, Hq, Dh = q.shape
-    return _attn(q, q.stride(0), q.stride(1), T, Hq, Dh, keys, values, pos, scaling, window, sinks, eager, quant,
-                 splits, merge_block, merge, {})
-
-
-@dry_zeros
-def rope_attn_decode(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: int, scaling: float,
-                     window: int = 0, sinks=None, eager: bool = False, quant: bool = False, q_norm=None, k_norm=None,
-                     eps: float = 1e-6, clip: float | None = None, splits: int | None = None,
-                     merge_block: int | None = None, merge: int | None = None):
-    """rope_cache and attn_decode in one kernel (as ref.rope_attn_decode): every attention program ropes its query
-    heads from the qkv row (rope_heads: the same arithmetic as rope_cache's), and the split that holds the position
-    also its key, writes the key and value into the cache and attends to them from registers. q/k norms per head
-    only (a norm over the whole projection, OLMoE's, needs every head: rope_cache)."""
-    T = qkv.shape[0]
-    R = cos.shape[-1]
-    assert qkv.stride(1) == 1 and keys.stride(3) == 1 and values.stride(3) == 1 and cos.is_contiguous()
-    assert sin.shape == cos.shape and R % 2 == 0 and R <= head_dim
-    if q_norm is not None and (q_norm.numel() != head_dim or k_norm is None or k_norm.numel() != head_dim):
-        raise ValueError(f"rope_attn_decode: q/k norms of {q_norm.numel()} weights; it norms per head ({head_dim}): "
-                         "use rope_cache + attn_decode for a norm over the whole projection")
-    qn = q_norm if q_norm is not None else cos
-    rope = dict(ROPE=1, R=R, HAS_QKN=q_norm is not None, HAS_CLIP=clip is not None, cos_ptr=cos, sin_ptr=sin,
-                qn_ptr=qn, kn_ptr=k_norm if k_norm is not None else cos, eps=eps, clip=float(clip or 0.0))
-    return _attn(qkv, qkv.stride(0), head_dim, T, n_q, head_dim, keys, values, pos, scaling, window, sinks, eager,
-                 quant, splits, merge_block, merge, rope)
-
-
-def _attn(q, s_qt, s_qh, T, Hq, Dh, keys, values, pos, scaling, window, sinks, eager, quant, splits, merge_block,
-          merge, rope):
-    """The decode attention's launch: q [T, Hq, Dh] by its strides (rope: the qkv rows, rope_attn_decode's)."""
     if merge not in (None, 1, 2):
         raise ValueError(f"attn_decode merge={merge!r}: 1 (in the kernel) or 2 (the merge kernel)")
+    T, Hq, Dh = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
     GP = max(16, p2(G))
@@ -376,12 +314,12 @@ def _attn(q, s_qt, s_qh, T, Hq, Dh, keys, values, pos, scaling, window, sinks, e
     assert sinks is None or (sinks.is_contiguous() and sinks.numel() == Hq)
     sems = split_sems(q.device, T * Hkv, "attn") if splits > 1 and merge == 1 else o
     launch(_attn_decode_kernel, (T, Hkv, splits),
-        q, keys, values, pos, sk, o, m, l_, acc, sems, T, scaling, window, chunk, pos_stride(pos, T), s_qt, s_qh,
+        q, keys, values, pos, sk, o, m, l_, acc, sems, T, scaling, window, chunk, pos_stride(pos, T), q.stride(0),
+        q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         o.stride(0), G=G, GP=GP, DH=Dh, BLOCK_L=64, SPLIT=splits > 1, HAS_SINK=sinks is not None, EAGER=eager,
         TWO_PASS=two_pass, SUB_ROUND=two_pass and sinks.dtype == q.dtype,
-        SB=merge_block or attn_merge_block(GP, Dh), MERGE=merge, num_warps=4, **qargs, **rope,
-        **pdl_args(q.device))
+        SB=merge_block or attn_merge_block(GP, Dh), MERGE=merge, num_warps=4, **qargs, **pdl_args(q.device))
     if splits > 1 and merge == 2:
         SP = p2(splits)
         launch(_attn_merge_kernel, (T, Hq), pos, sk, o, m, l_, acc, T, window, chunk, pos_stride(pos, T), o.stride(0),

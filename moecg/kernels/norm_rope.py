@@ -158,35 +158,6 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, q_ptr, 
         tl.store(dst + d, o)
 
 
-@triton.jit
-def rope_heads(row, hh, hm, d, pos, cos_ptr, sin_ptr, nw_ptr, eps, clip, R: tl.constexpr, DH: tl.constexpr,
-               HAS_QKN: tl.constexpr, HAS_CLIP: tl.constexpr, dt: tl.constexpr):
-    """Heads hh [H] (masked by hm) of one row of the qkv projection (row: its first element) -> [H, DH] in dt:
-    (RMSNorm per head by nw_ptr's [DH] weight), (clip), rotary of the first R dims at slot pos; the arithmetic and
-    rounding of _rope_cache_kernel's q and k heads (the sum of squares may add in another order). The attention
-    kernel's rotary (attention.rope_attn_decode)."""
-    half: tl.constexpr = R // 2
-    rot = d < R
-    partner = tl.where(d < half, d + half, d - half)  # rotate_half(x)[d] = -x[d + R/2] | x[d - R/2]
-    x = tl.load(row + hh[:, None] * DH + d[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
-    xp = tl.load(row + hh[:, None] * DH + partner[None, :], mask=hm[:, None] & rot[None, :],
-                 other=0.0).to(tl.float32)
-    if HAS_QKN:
-        r = tl.rsqrt(tl.sum(x * x, axis=1) / DH + eps)[:, None]
-        nw = tl.load(nw_ptr + d).to(tl.float32)[None, :]
-        nwp = tl.load(nw_ptr + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
-        x = (nw * (x * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        xp = (nwp * (xp * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    if HAS_CLIP:
-        x = tl.minimum(tl.maximum(x, -clip), clip)
-        xp = tl.minimum(tl.maximum(xp, -clip), clip)
-    c = tl.load(cos_ptr + pos * R + d, mask=rot, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * R + d, mask=rot, other=0.0).to(tl.float32)[None, :]
-    xr = tl.where((d < half)[None, :], -xp, xp)
-    o = ((x * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
-    return tl.where(rot[None, :], o, x.to(dt))
-
-
 @dry_zeros
 def rope_cache(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: int,
                q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None):

@@ -115,18 +115,6 @@ def attn_decode(q, keys, values, pos, scaling: float, window: int = 0, sinks=Non
     return (o, act_quant(o)) if quant else o
 
 
-def rope_attn_decode(qkv, pos, cos, sin, keys, values, n_q: int, n_kv: int, head_dim: int, scaling: float,
-                     window: int = 0, sinks=None, eager: bool = False, quant: bool = False, q_norm=None, k_norm=None,
-                     eps: float = 1e-6, clip: float | None = None):
-    """rope_cache, then attn_decode on its q, as one op (the Triton kernel ropes in the attention's programs): the
-    roped k and v written into keys/values at slot `pos`, returns attn_decode's output. q/k norms per head only."""
-    if q_norm is not None and q_norm.numel() != head_dim:
-        raise ValueError(f"rope_attn_decode: q/k norms of {q_norm.numel()} weights; it norms per head ({head_dim}): "
-                         "use rope_cache + attn_decode for a norm over the whole projection")
-    q = rope_cache(qkv, pos, cos, sin, keys, values, n_q, n_kv, head_dim, q_norm, k_norm, eps, clip)
-    return attn_decode(q, keys, values, pos, scaling, window, sinks, eager, quant)
-
-
 def _attn_decode(q, keys, values, pos, scaling: float, window: int, sinks, eager: bool):
     T, Hq, Dh = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]

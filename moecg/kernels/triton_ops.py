@@ -10,7 +10,7 @@ import sys
 import types
 
 from moecg.kernels import attention, capacity, gemv, launch, mla, moe, norm_rope, routers
-from moecg.kernels.attention import LONG_SPAN, attn_decode, attn_merge_block, attn_splits, rope_attn_decode
+from moecg.kernels.attention import LONG_SPAN, attn_decode, attn_merge_block, attn_splits
 from moecg.kernels.capacity import capacity_experts
 from moecg.kernels.gemv import GEMV_MAX_T, head_linear, linear, linear_partials, router_logits, silu_mul
 from moecg.kernels.launch import Precompiler, dry_run, pdl_mode
@@ -20,7 +20,7 @@ from moecg.kernels.moe_gemm import ExpertArgs
 from moecg.kernels.norm_rope import add_rmsnorm, rope_cache
 from moecg.kernels.routers import norm_route, route, route_sigmoid_group, route_softmax_group, route_topk_softmax
 
-__all__ = ["add_rmsnorm", "rope_cache", "attn_decode", "rope_attn_decode", "route", "norm_route", "route_sigmoid_group",
+__all__ = ["add_rmsnorm", "rope_cache", "attn_decode", "route", "norm_route", "route_sigmoid_group",
            "route_topk_softmax", "route_softmax_group", "mla_rope_cache", "mla_attn_decode", "mla_splits", "linear", "linear_partials", "head_linear", "router_logits", "silu_mul", "moe_experts", "capacity_experts",
            "ExpertArgs", "GEMV_MAX_T", "LONG_SPAN", "attn_splits", "attn_merge_block",
            "PDL", "pdl_mode", "dry_run", "Precompiler", "MODULES"]
