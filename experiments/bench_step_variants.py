@@ -25,8 +25,8 @@ Variants (names: `+`-joined switches on top of `base`):
            step, norm_route's router rows, the norms' weights and the MoE down kernel's first tile at batch 1 load
            before it, beside the predecessor
   nw=N     add_rmsnorm with N warps (moecg.kernels.tiles.norm_warps)
-  rw=N     norm_route with N warps; rb=N: N experts a program; rk=0: its top-k on one row of logits across the
-           warps (moecg.kernels.tiles.NormRouteTiles)
+  rw=N     norm_route with N warps; rb=N: N experts a program; rk=1: its top-k a warp a row (every warp a copy of
+           the logits), rk=0: one row across the warps (moecg.kernels.tiles.NormRouteTiles)
   mb=N     the split attention's merge loading N splits' partial outputs at a time (triton_ops.attn_merge_block)
   as=N     N splits per (row, kv head) context for the decode attention (triton_ops.attn_splits' choice otherwise);
            am=N: its merge (1 in the kernel, 2 the merge kernel)
@@ -113,7 +113,7 @@ def parse_variant(name: str) -> dict:
             v.setdefault("tiles", {})[p.split("=")[0]] = int(p.split("=")[1])
         else:
             raise SystemExit(f"variant {name!r}: unknown switch {p!r} "
-                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, pre=0, grid=G, nw=N, rw=N, rb=N, rk=0, "
+                             f"(base, {', '.join(SWITCHES)}, pdl, pdl1, splitN, pre=0, grid=G, nw=N, rw=N, rb=N, rk=N, "
                              "mb=N, as=N, am=N, ls=N, lm=N, lt=0, ok=N, F=N, g.F=N, gn.F=N, hk.F=N, hv.F=N, rt=0, rt.F=N)")
     return v
 
@@ -131,7 +131,8 @@ def set_variant(v: dict) -> None:
     moe, tiles_of = MOE_EXPERTS, MOE_TILES
     fast_step.SHARED_GEMM_ON_SIDE = v["side"]
     tiles_mod.norm_warps = NORM_WARPS if "nw" not in v else (lambda T, D, KK, n=v["nw"]: n)
-    nr = {f: v[k] for k, f in (("rb", "block_e"), ("rw", "warps"), ("rk", "warp_topk")) if k in v}
+    nr = {f: (bool(v[k]) if k == "rk" else v[k]) for k, f in (("rb", "block_e"), ("rw", "warps"), ("rk", "warp_topk"))
+          if k in v}
     tiles_mod.norm_route_tiles = NORM_ROUTE_TILES if not nr else (
         lambda T, E, D: dataclasses.replace(NORM_ROUTE_TILES(T, E, D), **nr))
     f = v.get("gemv_tiles")

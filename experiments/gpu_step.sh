@@ -59,6 +59,18 @@ suite_table() {  # the default fused step at bs 1 and 8 on every family's real s
     variant "${preset}_$layers" "$preset" "$layers" --batch 1 8 --repeats 3 --variants $D_STEP
   done
 }
+suite_norm_route() {  # norm_route's tiles at bs 1 and 8 (moecg.kernels.tiles.NormRouteTiles): its top-k a warp a row (rk=1), 4 warps, one expert a one-warp program; its GPU tests
+  bench norm_route
+  t gpu_tests.log python3 -m pytest -q -m gpu tests/test_fast_gpu.py -k norm_route | grep -E "passed|failed|FAILED" | tail -4
+  local spec preset layers
+  for spec in "qwen3_30b_a3b 12" "olmoe_1b_7b 16"; do
+    read -r preset layers <<< "$spec"
+    variant "$preset" "$preset" "$layers" --batch 1 8 --repeats 3 --variants $D_STEP $D_STEP+rk=1 $D_STEP+rw=4 \
+      $D_STEP+rw=1+rb=1
+  done
+  variant gpt_oss_20b gpt_oss_20b 12 --batch 1 --repeats 3 --variants $D_STEP $D_STEP+rw=4
+  variant mixtral_8x7b mixtral_8x7b 8 --batch 1 --repeats 3 --variants $D_STEP $D_STEP+rw=4
+}
 suite_split_k() {  # the split-K kernels as compiled since a24efe6 (pipelined loads): the up GEMM split at bs 1 on four shapes, the down GEMM split on Mixtral and GPT-OSS at bs 1, the o projection split in bf16 and block-FP8 at bs 1 and 8; their GPU tests
   bench split_k
   t gpu_tests.log python3 -m pytest -q -m gpu tests/test_fast_gpu.py tests/test_weights_gpu.py \

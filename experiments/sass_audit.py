@@ -1,6 +1,7 @@
 """The fused step's Triton kernels at a preset's real shapes, compiled for sm_90 on this machine (CPU-only works:
 Triton's bundled ptxas and cuobjdump): per distinct kernel specialisation of each variant and batch size, its grid,
-warps, stages, tiles, registers, spilled stack, shared memory and global loads by width (moecg.kernels.sass).
+warps, stages, tiles, registers, spilled stack, shared memory, global loads by width, instructions and block
+barriers (moecg.kernels.sass).
 
   python experiments/sass_audit.py --preset qwen3_30b_a3b --num-layers 1 --batch 1 8 \\
       --out experiments/results/sass_audit/qwen3_30b_a3b.md --json experiments/results/sass_audit/qwen3_30b_a3b.json
@@ -86,12 +87,13 @@ def main(argv=None) -> int:
             + "; the fused step's kernels compiled for sm_90 (moecg.kernels.sass), one row per distinct "
             "specialisation, at the first batch size that launches it")
     lines = [head, "", "| variant | bs | kernel | grid | warps | stages | tiles | regs | stack | smem KB | "
-             "16-byte loads | async | 1-2 byte |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "16-byte loads | async | 1-2 byte | instr | BAR |", "|" + "---|" * 15]
     for r in rows:
         tiles = " ".join(f"{k}={t}" for k, t in r["tiles"].items())
         lines.append(f"| {r['variant']} | {r['batch_size']} | {r['kernel']} | {'x'.join(map(str, r['grid']))} | "
                      f"{r['warps']} | {r['stages']} | {tiles} | {r['registers']} | {r['stack']} | "
-                     f"{r['shared'] / 1024:.1f} | {r['wide_loads']} | {r['async_loads']} | {r['narrow_loads']} |")
+                     f"{r['shared'] / 1024:.1f} | {r['wide_loads']} | {r['async_loads']} | {r['narrow_loads']} | "
+                     f"{r['instructions']} | {r['barriers']} |")
     lines += ["", f"The step's Triton launches in order ({args.num_layers} decoder layers; torch / cuBLAS ops between "
               "them, as the embedding, lm_head and any projection the GEMV table leaves to cuBLAS, are not listed):", ""]
     lines += [f"- {name}, bs {bs}: {len(seq)} launches: {' '.join(seq)}" for name, bs, seq in seqs]

@@ -97,10 +97,16 @@ def test_moe_kernel_matches_reference_and_counts(shape, T):
                                    (32, 4, 2880, "topk_softmax"), (128, 4, 2880, "topk_softmax")],
                          ids=["qwen3", "mixtral", "olmoe", "gpt_oss_20b", "gpt_oss_120b"])
 @pytest.mark.parametrize("T", [1, 8, 64])
-def test_norm_route_matches_reference(shape, T):
+@pytest.mark.parametrize("warp_topk", [False, True])
+def test_norm_route_matches_reference(shape, T, warp_topk, monkeypatch):
     """residual + norm + router GEMV + top-k in one kernel against add_rmsnorm, F.linear and the router reference:
     residual bit-equal, normed row close, the chosen experts equal on all but near-tie rows, weights close; twice
-    the same bits; the arrival counters back at zero. GPT-OSS's router: its own bias, top-k then softmax."""
+    the same bits; the arrival counters back at zero. GPT-OSS's router: its own bias, top-k then softmax. warp_topk:
+    NormRouteTiles' top-k a warp a row (64-128 experts)."""
+    from moecg.kernels import tiles as tiles_mod
+
+    tiles_of = tiles_mod.norm_route_tiles
+    monkeypatch.setattr(tiles_mod, "norm_route_tiles", lambda *a: replace(tiles_of(*a), warp_topk=warp_topk))
     E, K, D, kind = shape
     g = torch.Generator(device="cuda").manual_seed(T)
     r = lambda *sh: torch.randn(*sh, device="cuda", generator=g).to(BF)  # noqa: E731

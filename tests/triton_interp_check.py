@@ -3,6 +3,7 @@
 Prints ALL OK when every check passes; any mismatch raises. Kept out of pytest collection (no test_ prefix)
 because TRITON_INTERPRET must be set before triton is imported.
 """
+import itertools
 import os
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
@@ -68,11 +69,19 @@ for norm in (True, False):
     assert torch.equal(i1, i2)
     close(w1, w2)
 # residual + norm + router GEMV + top-k in one kernel, against the composition of the references; GPT-OSS's router:
-# its own bias (added before the logits' rounding) and top-k then softmax; 64-128 experts: the top-k a warp a row
-for En, kw in ((8, {}), (12, {"logit_bias": torch.randn(12)}), (64, {"cast_last": True}),
-               (12, {"router_b": torch.randn(12), "kind": "topk_softmax"}),
-               (32, {"router_b": torch.randn(32), "logit_bias": torch.randn(32), "kind": "topk_softmax"}),
-               (128, {}), (100, {"router_b": torch.randn(100), "kind": "topk_softmax"})):  # 64-128: warp_topk
+# its own bias (added before the logits' rounding) and top-k then softmax; 64-128 experts also with the top-k a warp
+# a row (NormRouteTiles.warp_topk)
+import dataclasses  # noqa: E402
+
+from moecg.kernels import tiles as tiles_mod  # noqa: E402
+
+NORM_ROUTE_TILES = tiles_mod.norm_route_tiles
+for (En, kw), wt in itertools.product(
+        ((8, {}), (12, {"logit_bias": torch.randn(12)}), (64, {"cast_last": True}),
+         (12, {"router_b": torch.randn(12), "kind": "topk_softmax"}),
+         (32, {"router_b": torch.randn(32), "logit_bias": torch.randn(32), "kind": "topk_softmax"}),
+         (128, {}), (100, {"router_b": torch.randn(100), "kind": "topk_softmax"})), (False, True)):
+    tiles_mod.norm_route_tiles = lambda *a, wt=wt: dataclasses.replace(NORM_ROUTE_TILES(*a), warp_topk=wt)
     a_, r_, nw_, rw_ = torch.randn(T, D), torch.randn(T, D), torch.randn(D), torch.randn(En, D) / 8
     for norm in (True, False):
         got, want = tri.norm_route(a_, r_, nw_, 1e-6, rw_, K, norm, torch.float32, **kw), \
@@ -81,6 +90,7 @@ for En, kw in ((8, {}), (12, {"logit_bias": torch.randn(12)}), (64, {"cast_last"
         close(got[1], want[1])
         assert torch.equal(got[2], want[2])
         close(got[3], want[3])
+tiles_mod.norm_route_tiles = NORM_ROUTE_TILES
 gu = torch.randn(T, 2 * inter + 3)
 close(ref.silu_mul(gu, inter), tri.silu_mul(gu, inter))
 
@@ -131,8 +141,6 @@ x17 = torch.randn(17, 72)
 assert torch.equal(tri.linear(x17, wg, tiles=GemvTiles()), torch.nn.functional.linear(x17, wg))  # 17 rows: cuBLAS
 # split-K partial rows: S ranges of whole K steps (S from split_k, the last range ragged), the bias in one of them;
 # their fp32 sum is the projection; unsplit (split_k 1, no tiles, 17 rows): linear's output as the one row
-from moecg.kernels import tiles as tiles_mod  # noqa: E402
-
 for Tg, split, bk, S in ((1, 2, 32, 2), (3, 3, 32, 3), (16, 4, 16, 3), (2, 8, 64, 2)):
     xg = torch.randn(Tg, 72)
     for bias in (None, bg):

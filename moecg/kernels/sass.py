@@ -75,7 +75,8 @@ def bundled_tool(name: str) -> str:
 
 def stats(compiled) -> dict:
     """A compiled kernel's registers, stack (spills), shared memory (bytes) and global loads {SASS op: count}, with
-    wide (16-byte, async or not), async (cp.async) and narrow (1-2 byte) totals."""
+    wide (16-byte, async or not), async (cp.async) and narrow (1-2 byte) totals; its SASS instructions and block
+    barriers (BAR.SYNC: a reduction or layout change across warps; what a latency-bound kernel waits on)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
@@ -92,7 +93,8 @@ def stats(compiled) -> dict:
             "shared": int(compiled.metadata.shared), "loads": loads,
             "wide_loads": sum(n for op, n in loads.items() if op in WIDE),
             "async_loads": sum(n for op, n in loads.items() if op.startswith(ASYNC)),
-            "narrow_loads": sum(n for op, n in loads.items() if op in NARROW)}
+            "narrow_loads": sum(n for op, n in loads.items() if op in NARROW),
+            "instructions": len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass)), "barriers": sass.count("BAR.SYNC")}
 
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_T", "BLOCK_N", "BLOCK_K", "SPLIT", "KN", "PAIRED", "MX", "A8", "QROWS")
